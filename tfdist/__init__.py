@@ -1,0 +1,28 @@
+"""tfdist: Horovod data-parallel training for modern Keras (Keras 3 and tf-keras).
+
+```python
+import tfdist
+strategy = tfdist.HorovodStrategy()
+with strategy.scope():
+    model = build_and_compile_model()
+model.fit(dataset)
+```
+"""
+
+from tfdist.errors import (
+    HorovodNotAvailableError,
+    RankMismatchError,
+    TfdistError,
+    XlaNotSupportedError,
+)
+from tfdist.strategy import HorovodStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HorovodStrategy",
+    "HorovodNotAvailableError",
+    "RankMismatchError",
+    "TfdistError",
+    "XlaNotSupportedError",
+]

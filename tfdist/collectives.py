@@ -1,0 +1,170 @@
+"""Horovod collectives behind a small interface: init, allreduce, broadcast, allgather.
+
+Everything in tfdist that talks to other ranks goes through this module, so the rest of the
+package never imports Horovod directly and a missing or half-built Horovod fails in one place
+with one clear message.
+
+Example:
+
+```python
+from tfdist import collectives
+collectives.init()
+total = collectives.allreduce([tf.constant(1.0)], op="sum")[0]   # == size
+```
+"""
+
+import glob
+import os
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import HorovodNotAvailableError, XlaNotSupportedError
+
+INSTALL_HINT = (
+    "Install it with the project's bootstrap, which builds Horovod 0.28.1 against the installed "
+    "TensorFlow: `bash scripts/bootstrap.sh` (see README.md, 'Install')."
+)
+
+# Collective names must not depend on the Python object ids or graph names that differ by rank.
+_OPS = {"sum": "Sum", "average": "Average", "adasum": "Adasum", "min": "Min", "max": "Max"}
+
+_hvd = None
+# A custom-call target registered only by horovod/tensorflow/xla_mpi_ops.cc.
+_XLA_MARKER = b"CallbackHVDAllreduceDone"
+
+
+def horovod():
+    """Return the `horovod.tensorflow` module, raising a clear error when it is unusable."""
+    global _hvd
+    if _hvd is None:
+        try:
+            import horovod.tensorflow as hvd
+        except ImportError as e:
+            raise HorovodNotAvailableError(
+                f"tfdist needs Horovod with TensorFlow support, but importing "
+                f"horovod.tensorflow failed: {e}. {INSTALL_HINT}"
+            ) from e
+        _hvd = hvd
+    return _hvd
+
+
+def init():
+    """Initialise Horovod once (size 1 without a launcher); returns the Horovod module."""
+    hvd = horovod()
+    # A collective issued by only some ranks would wait forever; make Horovod give up and
+    # raise on every rank instead. Users can still choose their own values.
+    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
+    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "300")
+    if not hvd.is_initialized():
+        hvd.init()
+    return hvd
+
+
+def rank():
+    return horovod().rank()
+
+
+def size():
+    return horovod().size()
+
+
+def local_rank():
+    return horovod().local_rank()
+
+
+def local_size():
+    return horovod().local_size()
+
+
+def _op(name):
+    try:
+        return getattr(horovod(), _OPS[name])
+    except KeyError:
+        raise ValueError(f"unknown reduction {name!r}; expected one of {sorted(_OPS)}") from None
+
+
+def allreduce(tensors, op="sum", name=None, compression=None):
+    """Reduce a list of tensors (dense or `tf.IndexedSlices`) across ranks, fused by dtype.
+
+    The list order must be the same on every rank. Tensors of one dtype go into one grouped
+    allreduce, which Horovod fuses into as few collectives as its fusion buffer allows.
+    An average of integer tensors is a floor division of the sum, keeping the dtype.
+    """
+    tensors = list(tensors)
+    hvd = horovod()
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out = [None] * len(tensors)
+    for dtype, indices in by_dtype.items():
+        group_op = op
+        if op == "average" and dtype.is_integer:
+            group_op = "sum"
+        kwargs = {"op": _op(group_op)}
+        if compression is not None and dtype.is_floating:
+            kwargs["compression"] = compression
+        if name is not None:
+            kwargs["name"] = f"{name}.{dtype.name}"
+        reduced = hvd.grouped_allreduce([tensors[i] for i in indices], **kwargs)
+        for i, r in zip(indices, reduced):
+            out[i] = r // hvd.size() if group_op != op else r
+    return out
+
+
+def broadcast(tensor, root_rank=0, name=None):
+    return horovod().broadcast(tensor, root_rank=root_rank, name=name)
+
+
+def allgather(tensor, name=None):
+    return horovod().allgather(tensor, name=name)
+
+
+def allgather_object(obj, name=None):
+    """Gather one picklable object per rank (eager only); returns a list indexed by rank."""
+    return horovod().allgather_object(obj, name=name)
+
+
+def signature(values, width=12):
+    """Encode small ints (shape, dtype, name hash) as a fixed-width int64 row for allgather."""
+    row = np.full([1, width], -2, dtype=np.int64)
+    row[0, : len(values)] = values
+    return row
+
+
+def name_hash(text):
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def xla_ops_available():
+    """Whether this Horovod build has XLA kernels for its collectives.
+
+    tfdist's bootstrap builds Horovod without `xla_mpi_ops.cc` (it does not compile against
+    TF 2.21), so `jit_compile=True` cannot contain a Horovod collective.
+    """
+    hvd_dir = os.path.dirname(horovod().__file__)
+    for lib in glob.glob(os.path.join(hvd_dir, "tensorflow", "mpi_lib*.so")):
+        with open(lib, "rb") as f:
+            if _XLA_MARKER in f.read():
+                return True
+    return False
+
+
+def check_not_in_xla(what):
+    """Raise `XlaNotSupportedError` if the current trace is being compiled with XLA."""
+    from tensorflow.python.ops import control_flow_util
+
+    graph = tf.compat.v1.get_default_graph()
+    if (
+        control_flow_util.GraphOrParentsInXlaContext(graph)
+        and size() > 1
+        and not xla_ops_available()
+    ):
+        raise XlaNotSupportedError(
+            f"{what} needs a Horovod collective inside an XLA-compiled function "
+            "(jit_compile=True), but this Horovod build has no XLA ops: "
+            "horovod/tensorflow/xla_mpi_ops.cc does not compile against TensorFlow 2.21. "
+            "Compile without XLA (model.compile(..., jit_compile=False), the default with "
+            "HorovodStrategy), or run with a single rank."
+        )

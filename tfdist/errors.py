@@ -1,0 +1,17 @@
+"""Errors tfdist raises: each names what was wrong and what to do."""
+
+
+class TfdistError(RuntimeError):
+    """Base class of tfdist errors."""
+
+
+class HorovodNotAvailableError(TfdistError, ImportError):
+    """Horovod (with TensorFlow support) cannot be imported."""
+
+
+class XlaNotSupportedError(TfdistError):
+    """A Horovod collective was placed inside an XLA-compiled function."""
+
+
+class RankMismatchError(TfdistError):
+    """Ranks disagree about something that must be identical (model variables, ...)."""

@@ -1,0 +1,134 @@
+"""Global metric values for Keras models trained under `HorovodStrategy`.
+
+Keras computes a metric's value from its state variables (e.g. `total` and `count` of a `Mean`),
+which each rank accumulates over its own examples. Under `HorovodStrategy` the values Keras
+reports (progress bar, `History`, `evaluate()`) are computed from the state summed over ranks,
+so a mean is weighted by every rank's example count, exactly as if one process had seen all data.
+
+When: every training step (one small fused allreduce of the metric state), and at the end of each
+`fit` epoch / `evaluate` call. Evaluation steps report the rank's running local values and sync
+only at the end, so ranks may evaluate different numbers of batches without waiting on each other.
+
+Installed by `HorovodStrategy()`; models under other strategies are untouched.
+"""
+
+import sys
+import threading
+
+import tensorflow as tf
+
+from tfdist import collectives
+
+_state = threading.local()
+_installed = set()
+
+
+def install():
+    """Route `get_metrics_result` of Keras 3 and (if used) tf-keras models through `global_result`."""
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:  # pragma: no cover - Keras 3 ships with TF 2.21
+        TensorFlowTrainer = None
+    if TensorFlowTrainer is not None:
+        _patch(TensorFlowTrainer, _keras3_global_result)
+    if "tf_keras" in sys.modules or _legacy_keras_requested():
+        try:
+            from tf_keras.src.engine import training as tf_keras_training
+        except ImportError:
+            return
+        _patch(tf_keras_training.Model, _tf_keras_global_result)
+
+
+def _legacy_keras_requested():
+    import os
+
+    return os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
+
+
+def _patch(model_class, global_result):
+    if model_class in _installed:
+        return
+    _installed.add(model_class)
+    local_result = model_class.get_metrics_result
+    local_test_step = model_class.test_step
+
+    def get_metrics_result(self):
+        if getattr(_state, "local", False) or not _uses_horovod(self):
+            return local_result(self)
+        return global_result(self, local_result)
+
+    def test_step(self, *args, **kwargs):
+        previous = getattr(_state, "local", False)
+        _state.local = True
+        try:
+            return local_test_step(self, *args, **kwargs)
+        finally:
+            _state.local = previous
+
+    get_metrics_result.__doc__ = local_result.__doc__
+    test_step.__doc__ = local_test_step.__doc__
+    model_class.get_metrics_result = get_metrics_result
+    model_class.test_step = test_step
+
+
+def _uses_horovod(model):
+    from tfdist.strategy import HorovodStrategy
+
+    strategy = getattr(model, "distribute_strategy", None)
+    return isinstance(strategy, HorovodStrategy) and collectives.size() > 1
+
+
+def _aggregation_name(variable):
+    aggregation = variable.aggregation
+    if isinstance(aggregation, tf.VariableAggregation):
+        return {
+            tf.VariableAggregation.SUM: "sum",
+            tf.VariableAggregation.MEAN: "mean",
+            tf.VariableAggregation.ONLY_FIRST_REPLICA: "only_first_replica",
+        }.get(aggregation, "none")
+    return str(aggregation)
+
+
+def global_values(variables):
+    """Each metric state variable's value combined across ranks, by its aggregation."""
+    values = [tf.convert_to_tensor(v) for v in variables]
+    kinds = [_aggregation_name(v) for v in variables]
+    for kind, op in (("sum", "sum"), ("mean", "average")):
+        picked = [i for i, k in enumerate(kinds) if k == kind]
+        for i, reduced in zip(picked, collectives.allreduce([values[i] for i in picked], op=op)):
+            values[i] = reduced
+    for i, kind in enumerate(kinds):
+        if kind == "only_first_replica":
+            values[i] = collectives.broadcast(values[i], 0, name=f"tfdist.metric_first.{i}")
+    return values
+
+
+def _collect(results, metric, value):
+    if isinstance(value, dict):
+        results.update(value)
+    else:
+        results[metric.name] = value
+
+
+def _keras3_global_result(model, local_result):
+    metrics = model.metrics
+    variables = [v for m in metrics for v in m.variables]
+    values = iter(global_values(variables))
+    results = {}
+    for metric in metrics:
+        state = [next(values) for _ in metric.variables]
+        _collect(results, metric, metric.stateless_result(state) if state else metric.result())
+    return results
+
+
+def _tf_keras_global_result(model, local_result):
+    # tf-keras metrics have no stateless result(): swap the global state in, read, swap back.
+    variables = [v for m in model.metrics for v in m.variables]
+    local_values = [tf.identity(v.read_value()) for v in variables]
+    for variable, value in zip(variables, global_values(variables)):
+        variable.assign(value)
+    results = local_result(model)
+    with tf.control_dependencies(tf.nest.flatten(results)):
+        for variable, value in zip(variables, local_values):
+            variable.assign(value)
+    return results

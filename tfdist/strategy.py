@@ -1,0 +1,267 @@
+"""`HorovodStrategy`: a `tf.distribute.Strategy` with one replica per Horovod process.
+
+Keras (3 and tf-keras) drives it like any other strategy: variables created in its scope start
+from rank 0's values, gradients are summed with one fused Horovod allreduce per step, and the
+loss and metrics Keras reports are global across ranks.
+
+Example (run with `horovodrun -np 2 --gloo python train.py`, or plain `python train.py`):
+
+```python
+import keras, tfdist
+strategy = tfdist.HorovodStrategy()
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(x[strategy.rank::strategy.size], y[strategy.rank::strategy.size], batch_size=32)
+```
+"""
+
+import logging
+import os
+import tempfile
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, distribute_utils, one_device_strategy
+
+from tfdist import collectives, keras_metrics
+from tfdist.errors import RankMismatchError
+
+log = logging.getLogger("tfdist")
+
+_REDUCE_OPS = {tf.distribute.ReduceOp.SUM: "sum", tf.distribute.ReduceOp.MEAN: "average"}
+
+
+class HorovodStrategy(tf.distribute.OneDeviceStrategy):
+    """Data-parallel strategy over Horovod: one replica per process, on this rank's device.
+
+    Args:
+        device: device for this rank's replica; default: this rank's local GPU
+            (`GPU:<local_rank>` of the visible GPUs) or the CPU.
+        compression: a `horovod.tensorflow.Compression` applied to gradient allreduces.
+        check_variables: compare every new variable's shape and dtype across ranks before
+            broadcasting it, and raise naming the first mismatch (costs one small collective
+            per variable at creation).
+    """
+
+    def __init__(self, device=None, *, compression=None, check_variables=True):
+        collectives.init()
+        if device is None:
+            gpus = tf.config.list_logical_devices("GPU")
+            device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
+        extended = HorovodExtended(
+            self, device, compression=compression, check_variables=check_variables
+        )
+        # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
+        distribute_lib.Strategy.__init__(self, extended)
+        keras_metrics.install()
+
+    # Horovod topology, for user code (data sharding, logging, chief-only work).
+    @property
+    def rank(self):
+        return collectives.rank()
+
+    @property
+    def size(self):
+        return collectives.size()
+
+    @property
+    def local_rank(self):
+        return collectives.local_rank()
+
+    @property
+    def local_size(self):
+        return collectives.local_size()
+
+    @property
+    def is_chief(self):
+        return self.rank == 0
+
+    def chief_path(self, path):
+        """Where this rank may write `path`: `path` itself on the chief, a private temp dir elsewhere.
+
+        Lets every rank run the same saving code (as Keras callbacks do) without two ranks ever
+        writing the same file.
+        """
+        if self.is_chief:
+            return path
+        scratch = tempfile.mkdtemp(prefix=f"tfdist-rank{self.rank}-")
+        return os.path.join(scratch, os.path.basename(os.path.normpath(str(path))))
+
+    def __repr__(self):
+        return f"HorovodStrategy(rank={self.rank}, size={self.size}, device={self.extended._device!r})"
+
+
+class HorovodExtended(one_device_strategy.OneDeviceExtended):
+    """The strategy's implementation: OneDevice placement plus Horovod collectives."""
+
+    def __init__(self, container_strategy, device, compression=None, check_variables=True):
+        super().__init__(container_strategy, device)
+        self._compression = compression
+        self._check_variables = check_variables
+        self._variable_count = 0
+        self._noted_unsharded = False
+
+    # --- variables -------------------------------------------------------------------------
+    def _create_variable(self, next_creator, **kwargs):
+        variable = super()._create_variable(next_creator, **kwargs)
+        # Replica-local state (metric accumulators) stays local; everything else starts from
+        # rank 0's value, so models built with different seeds are identical.
+        if kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ:
+            self._broadcast_initial_value(variable)
+        return variable
+
+    def _broadcast_initial_value(self, variable):
+        if collectives.size() == 1:
+            return
+        index = self._variable_count
+        self._variable_count += 1
+        with tf.init_scope():
+            if not tf.executing_eagerly():
+                raise RuntimeError("HorovodStrategy needs TF2 eager execution (tf.compat.v1 graph mode is not supported)")
+            if self._check_variables:
+                self._check_same_variable(variable, index)
+            variable.assign(collectives.broadcast(variable.read_value(), 0, name=f"tfdist.init.{index}"))
+
+    def _check_same_variable(self, variable, index):
+        shape = variable.shape.as_list()
+        if len(shape) > 8 or any(d is None for d in shape):
+            return  # not comparable in a fixed-width row; the broadcast still checks shapes
+        row = collectives.signature([len(shape), variable.dtype.as_datatype_enum, *shape])
+        rows = collectives.allgather(tf.constant(row), name=f"tfdist.check.{index}").numpy()
+        if (rows == rows[0]).all():
+            return
+        described = [_describe_signature(r) for r in rows]
+        first_bad = next(r for r, d in enumerate(described) if d != described[0])
+        raise RankMismatchError(
+            f"ranks built different models: variable #{index} (named {variable.name!r} on rank "
+            f"{collectives.rank()}) is {described[0]} on rank 0 but {described[first_bad]} on rank "
+            f"{first_bad}. Every rank must create the same variables in the same order."
+        )
+
+    # --- input -----------------------------------------------------------------------------
+    def _experimental_distribute_dataset(self, dataset, options):
+        # Horovod convention: each rank iterates its own per-rank batches; nothing is split or
+        # sharded here, so an unsharded dataset feeds every rank the same records.
+        if collectives.size() > 1 and not self._noted_unsharded and not _is_sharded(dataset):
+            self._noted_unsharded = True
+            log.info(
+                "tfdist: rank %d: dataset has no shard(); it is used as given on this rank (fine if "
+                "you split the data per rank yourself, else every rank reads the same records)",
+                collectives.rank(),
+            )
+        return super()._experimental_distribute_dataset(dataset, options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        from tensorflow.python.distribute import input_util
+
+        context = distribute_lib.InputContext(
+            num_input_pipelines=collectives.size(),
+            input_pipeline_id=collectives.rank(),
+            num_replicas_in_sync=collectives.size(),
+        )
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn,
+            self._input_workers_with_options(options),
+            [context],
+            self._container_strategy(),
+            options=options,
+        )
+
+    # --- replicas and collectives ----------------------------------------------------------
+    def _call_for_each_replica(self, fn, args, kwargs):
+        # Input iterators hand over one-replica PerReplica values: unwrap them to this rank's.
+        args, kwargs = distribute_utils.select_replica(0, (args, kwargs))
+        with tf.device(self._device), _HorovodReplicaContext(self._container_strategy()):
+            return fn(*args, **kwargs)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        flat = tf.nest.flatten(value, expand_composites=False)
+        if any(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+            # Only input iterators produce PerReplica values here (run() returns plain tensors);
+            # Keras reduces a data batch merely to learn its shapes. Batches may differ in shape
+            # across ranks, so keep this rank's data instead of reducing it.
+            return distribute_utils.select_replica(0, value)
+        reduced = self._batch_reduce_to(reduce_op, [(v, destinations) for v in flat], options)
+        return tf.nest.pack_sequence_as(value, reduced)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        values = [value for value, _ in value_destination_pairs]
+        if collectives.size() == 1:
+            return values
+        collectives.check_not_in_xla("HorovodStrategy's allreduce")
+        return collectives.allreduce(
+            values, op=_REDUCE_OPS[reduce_op], compression=self._compression
+        )
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        value = _local_value(value)
+        if collectives.size() == 1:
+            return value
+        if axis != 0:
+            perm = [axis] + [d for d in range(len(value.shape)) if d != axis]
+            gathered = collectives.allgather(tf.transpose(value, perm))
+            inverse = [perm.index(d) for d in range(len(perm))]
+            return tf.transpose(gathered, inverse)
+        return collectives.allgather(value)
+
+    def _all_gather(self, input_tensor, axis, options=None):
+        return self._gather_to_implementation(input_tensor, None, axis, options)
+
+    def read_var(self, replica_local_var):
+        return tf.identity(replica_local_var)
+
+    def _in_multi_worker_mode(self):
+        return collectives.size() > 1
+
+    @property
+    def _num_replicas_in_sync(self):
+        return collectives.size()
+
+    @property
+    def should_checkpoint(self):
+        return collectives.rank() == 0
+
+    @property
+    def should_save_summary(self):
+        return collectives.rank() == 0
+
+    @property
+    def _global_batch_size(self):
+        # Batches handed to fit() are per rank, as with plain Horovod.
+        return False
+
+
+class _HorovodReplicaContext(distribute_lib.ReplicaContext):
+    def __init__(self, strategy):
+        distribute_lib.ReplicaContext.__init__(self, strategy, replica_id_in_sync_group=0)
+
+    @property
+    def devices(self):
+        return self._strategy.extended.worker_devices
+
+    def all_gather(self, value, axis, options=None):
+        return tf.nest.map_structure(
+            lambda v: self._strategy.extended._all_gather(v, axis, options), value
+        )
+
+
+def _local_value(value):
+    """This rank's tensor of a one-replica `PerReplica` (as Keras' input iterators yield)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        (value,) = value.values
+    return value
+
+
+def _describe_signature(row):
+    ndim, dtype_enum = int(row[0]), int(row[1])
+    shape = tuple(int(d) for d in row[2 : 2 + ndim])
+    return f"shape {shape} dtype {tf.dtypes.as_dtype(dtype_enum).name}"
+
+
+def _is_sharded(dataset):
+    """Whether a shard() appears anywhere in the dataset's graph (best effort)."""
+    try:
+        graph_def = dataset._as_serialized_graph().numpy()
+    except Exception:  # noqa: BLE001 - an unknown dataset type: do not warn
+        return True
+    return b"ShardDataset" in graph_def
