@@ -18,6 +18,8 @@ STAMP=$VENV/.tfdist-stamp
 WANT="tf=$TF_VERSION hvd=$HOROVOD_VERSION $(cat "$ROOT/setup.cfg" "$0" | sha1sum | cut -c1-12)"
 
 log() { echo "[bootstrap] $*" >&2; }
+# pip, minus the notes this machine's extra local indexes print for every package.
+pip_quiet() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
@@ -39,10 +41,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY=$VENV/bin/python
-"$PY" -m pip install -q --upgrade pip wheel 'setuptools<81' packaging
+pip_quiet install -q --upgrade pip wheel 'setuptools<81' packaging
 
 log "installing tensorflow-cpu $TF_VERSION, tf-keras, test tools"
-"$PY" -m pip install -q "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" tensorboard \
+pip_quiet install -q "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" tensorboard \
   numpy pytest scikit-learn cloudpickle psutil pyyaml
 
 PYVER=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
@@ -51,7 +53,7 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   log "building horovod $HOROVOD_VERSION against TF $TF_VERSION (one-off, ~5 min)"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
-  "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
+  pip_quiet download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
   tar xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
   src=$work/horovod-$HOROVOD_VERSION
   # xla_mpi_ops.cc does not compile against TF 2.21 headers (XLA moved); Horovod works without it,
@@ -63,13 +65,13 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   (cd "$src" && env CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
       HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 "$mpi_flag" \
       HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-      "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" . ) \
+      pip_quiet wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" . ) \
     || { log "horovod build failed (see above)"; rm -rf "$WHEEL_DIR.tmp"; exit 1; }
   mv "$WHEEL_DIR.tmp"/horovod-*.whl "$WHEEL_DIR"/ && rm -rf "$WHEEL_DIR.tmp"
 fi
-"$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
-"$PY" -m pip install -q cffi cloudpickle psutil pyyaml packaging
-"$PY" -m pip install -q --no-deps -e "$ROOT"
+pip_quiet install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+pip_quiet install -q cffi cloudpickle psutil pyyaml packaging
+pip_quiet install -q --no-deps -e "$ROOT"
 
 log "checking horovod build"
 check=$("$VENV/bin/horovodrun" -cb 2>/dev/null)

@@ -53,10 +53,6 @@ def horovod():
 def init():
     """Initialise Horovod once (size 1 without a launcher); returns the Horovod module."""
     hvd = horovod()
-    # A collective issued by only some ranks would wait forever; make Horovod give up and
-    # raise on every rank instead. Users can still choose their own values.
-    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
-    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "300")
     if not hvd.is_initialized():
         hvd.init()
     return hvd

@@ -207,6 +207,11 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
     def _all_gather(self, input_tensor, axis, options=None):
         return self._gather_to_implementation(input_tensor, None, axis, options)
 
+    def _local_results(self, value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return tuple(value.values)
+        return (value,)
+
     def read_var(self, replica_local_var):
         return tf.identity(replica_local_var)
 

@@ -1,0 +1,169 @@
+"""Multi-rank training checks, one horovodrun launch for many of them.
+
+    horovodrun -np 2 --gloo python tests/multirank/train_checks.py --out DIR
+    python tests/multirank/train_checks.py --out DIR --reference   # 1 process, batch x 2
+
+Each rank writes DIR/rank<R>.json; tests/test_multirank.py compares the files with each other
+and with the single-process reference.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+
+quiet_tensorflow()
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdist  # noqa: E402
+
+keras = keras_module()
+
+PER_RANK_BATCH = 8
+STEPS = 5
+RANKS = 2  # the reference run stands in for this many ranks
+
+
+def make_data(kind, n):
+    rng = np.random.default_rng(7)
+    if kind == "embedding":
+        x = rng.integers(0, 20, size=(n, 5)).astype("int32")
+    else:
+        x = rng.normal(size=(n, 6)).astype("float32")
+    y = rng.integers(0, 3, size=n).astype("int32")
+    return x, y
+
+
+def build_model(kind, seed):
+    keras.utils.set_random_seed(seed)
+    if kind == "embedding":
+        layers = [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(20, 4),
+            keras.layers.GlobalAveragePooling1D(),
+        ]
+    else:
+        layers = [keras.Input((6,)), keras.layers.Dense(8, activation="tanh")]
+    return keras.Sequential(layers + [keras.layers.Dense(3)])
+
+
+def make_optimizer(name, lr=0.05):
+    if name == "sgd_momentum":
+        return keras.optimizers.SGD(lr, momentum=0.9)
+    if name == "adam":
+        return keras.optimizers.Adam(lr / 10)
+    if name == "adamw":
+        return keras.optimizers.AdamW(lr / 10, weight_decay=0.01)
+    raise ValueError(name)
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def rank_slice(x, rank, size, batch):
+    """Step t of `size` ranks covers records [t*size*batch, (t+1)*size*batch); rank r its r-th part."""
+    steps = len(x) // (size * batch)
+    idx = [t * size * batch + rank * batch + i for t in range(steps) for i in range(batch)]
+    return x[idx]
+
+
+def weights_of(model):
+    return [w.tolist() for w in model.get_weights()]
+
+
+def equivalence_checks(strategy, reference, results):
+    """Train each (model, optimizer) for STEPS steps; the reference uses one process, batch x RANKS."""
+    rank, size = strategy.rank, strategy.size
+    batch = PER_RANK_BATCH * (RANKS if reference else 1)
+    for kind in ("dense", "embedding"):
+        x, y = make_data(kind, PER_RANK_BATCH * RANKS * STEPS)
+        for opt in ("sgd_momentum", "adam", "adamw"):
+            with strategy.scope():
+                model = build_model(kind, seed=1000 + 17 * rank)  # different seed per rank
+                model.compile(optimizer=make_optimizer(opt), loss=loss_fn())
+            initial = weights_of(model)
+            xs, ys = (x, y) if reference else (rank_slice(x, rank, size, batch), rank_slice(y, rank, size, batch))
+            model.fit(xs, ys, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            results[f"{kind}/{opt}"] = {"initial": initial, "final": weights_of(model)}
+
+
+def metric_checks(strategy, results):
+    """History and evaluate() values against global values computed by hand from all ranks' data."""
+    rank, size = strategy.rank, strategy.size
+    hvd = tfdist.collectives.horovod()
+    x, y = make_data("dense", 400)
+    with strategy.scope():
+        model = build_model("dense", seed=5)
+        # lr 0 keeps the weights fixed, so the epoch's running loss is a plain mean we can recompute.
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss_fn(), metrics=["accuracy"])
+    fit_x, fit_y = x[rank * 48 : (rank + 1) * 48], y[rank * 48 : (rank + 1) * 48]
+    history = model.fit(fit_x, fit_y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+
+    # Uneven evaluation: rank r gets 20 + 13 r records (a partial last batch on every rank).
+    start = 100 + sum(20 + 13 * r for r in range(rank))
+    n = 20 + 13 * rank
+    ev_x, ev_y = x[start : start + n], y[start : start + n]
+    evaluated = model.evaluate(ev_x, ev_y, batch_size=PER_RANK_BATCH, verbose=0, return_dict=True)
+
+    def by_hand(xs, ys):
+        logits = model.predict(xs, batch_size=64, verbose=0)
+        per_example = loss_fn().__class__(from_logits=True, reduction="none")(ys, logits).numpy()
+        correct = (np.argmax(logits, axis=-1) == ys).astype("float32")
+        gathered = hvd.allgather(tf.constant(np.stack([per_example, correct], axis=1))).numpy()
+        return {"loss": float(gathered[:, 0].mean()), "accuracy": float(gathered[:, 1].mean()),
+                "count": int(len(gathered))}
+
+    results["metrics"] = {
+        "history": {k: float(v[0]) for k, v in history.history.items()},
+        "fit_by_hand": by_hand(fit_x, fit_y),
+        "evaluate": {k: float(v) for k, v in evaluated.items()},
+        "evaluate_by_hand": by_hand(ev_x, ev_y),
+        "local_evaluate_count": n,
+        "predict_rows": int(len(model.predict(ev_x, verbose=0))),
+    }
+
+
+def strategy_facts(strategy, results):
+    results["facts"] = {
+        "rank": strategy.rank,
+        "size": strategy.size,
+        "local_rank": strategy.local_rank,
+        "local_size": strategy.local_size,
+        "is_chief": strategy.is_chief,
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "should_checkpoint": strategy.extended.should_checkpoint,
+        "chief_path_is_own": strategy.chief_path("/tmp/ckpt/model.keras") == "/tmp/ckpt/model.keras",
+    }
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        return tf.data.Dataset.range(10).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(2)
+
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+    seen = [int(v) for batch in dist for v in strategy.experimental_local_results(batch)[0].numpy()]
+    results["facts"]["input_context"] = list(contexts[0])
+    results["facts"]["records_seen"] = seen
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args()
+    strategy = tfdist.HorovodStrategy()
+    results = {"keras": keras.__name__}
+    equivalence_checks(strategy, args.reference, results)
+    if not args.reference:
+        metric_checks(strategy, results)
+        strategy_facts(strategy, results)
+    write_results(args.out, strategy.rank, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Real 2-rank Horovod jobs (horovodrun -np 2 --gloo); each launch runs many checks."""
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, flavor_env, run_job
+
+WORKERS = ROOT / "tests" / "multirank"
+pytestmark = pytest.mark.multirank
+
+_cache = {}
+
+
+def train_results(flavor, tmp_path_factory):
+    """The 2-rank job and its 1-process reference, run once per Keras flavour."""
+    if flavor not in _cache:
+        base = tmp_path_factory.mktemp(f"train-{flavor}")
+        env = flavor_env(flavor)
+        ranks = run_job([WORKERS / "train_checks.py"], base / "ranks", np=2, env=env)
+        reference = run_job([WORKERS / "train_checks.py", "--reference"], base / "ref", np=None, env=env)
+        _cache[flavor] = (ranks, reference[0])
+    return _cache[flavor]
+
+
+CASES = [f"{m}/{o}" for m in ("dense", "embedding") for o in ("sgd_momentum", "adam", "adamw")]
+
+
+def assert_weights_close(a, b, atol=1e-5):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=atol)
+
+
+def test_flavour_is_the_one_requested(keras_flavor, tmp_path_factory):
+    ranks, reference = train_results(keras_flavor, tmp_path_factory)
+    expected = "tf_keras" if keras_flavor == "tf_keras" else "keras"
+    assert ranks[0]["keras"] == ranks[1]["keras"] == reference["keras"] == expected
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_equal_one_process_with_double_batch(keras_flavor, case, tmp_path_factory):
+    ranks, reference = train_results(keras_flavor, tmp_path_factory)
+    # identical on both ranks, bit for bit: both apply the same allreduced gradients
+    assert ranks[0][case]["final"] == ranks[1][case]["final"]
+    # and equal (float tolerance) to one process training on batch 2B
+    assert_weights_close(ranks[0][case]["final"], reference[case]["final"])
+    # training moved the weights, so the comparison above is not trivially true
+    assert not np.allclose(np.array(ranks[0][case]["final"][0]), np.array(ranks[0][case]["initial"][0]))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ranks_seeded_differently_start_identical(keras_flavor, case, tmp_path_factory):
+    ranks, reference = train_results(keras_flavor, tmp_path_factory)
+    assert ranks[0][case]["initial"] == ranks[1][case]["initial"]
+
+
+def test_reported_metrics_are_global(keras_flavor, tmp_path_factory):
+    ranks, _ = train_results(keras_flavor, tmp_path_factory)
+    for rank in (0, 1):
+        m = ranks[rank]["metrics"]
+        assert m["fit_by_hand"]["count"] == 96
+        for key in ("loss", "accuracy"):
+            assert m["history"][key] == pytest.approx(m["fit_by_hand"][key], rel=1e-5)
+    assert ranks[0]["metrics"]["history"] == ranks[1]["metrics"]["history"]
+
+
+def test_evaluate_on_uneven_data_is_exact_global(keras_flavor, tmp_path_factory):
+    ranks, _ = train_results(keras_flavor, tmp_path_factory)
+    assert [ranks[r]["metrics"]["local_evaluate_count"] for r in (0, 1)] == [20, 33]
+    for rank in (0, 1):
+        m = ranks[rank]["metrics"]
+        assert m["evaluate_by_hand"]["count"] == 53
+        for key in ("loss", "accuracy"):
+            assert m["evaluate"][key] == pytest.approx(m["evaluate_by_hand"][key], rel=1e-5)
+    # global accuracy over 53 records: a multiple of 1/53, and not either rank's local value
+    acc = ranks[0]["metrics"]["evaluate"]["accuracy"]
+    assert acc * 53 == pytest.approx(round(acc * 53), abs=1e-3)
+    # predict() stays local: each rank gets its own rows
+    assert [ranks[r]["metrics"]["predict_rows"] for r in (0, 1)] == [20, 33]
+
+
+def test_strategy_topology_and_input_contexts(tmp_path_factory):
+    ranks, _ = train_results("keras3", tmp_path_factory)
+    f0, f1 = ranks[0]["facts"], ranks[1]["facts"]
+    assert (f0["rank"], f1["rank"]) == (0, 1)
+    assert f0["size"] == f1["size"] == f0["num_replicas_in_sync"] == 2
+    assert (f0["local_rank"], f1["local_rank"], f0["local_size"]) == (0, 1, 2)
+    assert (f0["is_chief"], f1["is_chief"]) == (True, False)
+    assert (f0["should_checkpoint"], f1["should_checkpoint"]) == (True, False)
+    assert (f0["chief_path_is_own"], f1["chief_path_is_own"]) == (True, False)
+    assert f0["input_context"] == [2, 0, 2] and f1["input_context"] == [2, 1, 2]
+    assert sorted(f0["records_seen"] + f1["records_seen"]) == list(range(10))
+
+
+def test_misuse_fails_loudly_on_every_rank(tmp_path):
+    ranks = run_job([WORKERS / "fault_checks.py"], tmp_path, np=2, timeout=300)
+    for rank in (0, 1):
+        jit = ranks[rank]["jit"]
+        assert jit["error"] == "XlaNotSupportedError"
+        assert "jit_compile" in jit["message"] and "xla_mpi_ops.cc" in jit["message"]
+        mismatch = ranks[rank]["mismatch"]
+        assert mismatch["error"] == "RankMismatchError"
+        assert "(3, 4)" in mismatch["message"] and "(3, 5)" in mismatch["message"]
+        assert "kernel" in mismatch["message"] and "rank 1" in mismatch["message"]

@@ -1,0 +1,76 @@
+"""HorovodStrategy in one process (size 1, no launcher) and the collectives' edge cases."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist import collectives
+from tfdist.strategy import _describe_signature, _is_sharded
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tfdist.HorovodStrategy()
+
+
+def test_single_process_without_launcher(strategy):
+    assert (strategy.rank, strategy.size, strategy.is_chief) == (0, 1, True)
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.chief_path("/tmp/x/model.keras") == "/tmp/x/model.keras"
+
+
+def test_fit_evaluate_predict_in_one_process(strategy):
+    import keras
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5]], "float32")).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=20, verbose=0)
+    assert history.history["loss"][-1] < 0.05 * history.history["loss"][0]
+    assert model.evaluate(x, y, verbose=0) < 0.05
+    assert model.predict(x, verbose=0).shape == (64, 1)
+
+
+def test_allreduce_groups_by_dtype_and_keeps_integer_dtype(strategy):
+    out = collectives.allreduce(
+        [tf.constant([1.5, 2.5]), tf.constant([7], tf.int64), tf.constant([3.0])], op="average"
+    )
+    assert out[0].dtype == tf.float32 and out[1].dtype == tf.int64
+    np.testing.assert_allclose(out[0].numpy(), [1.5, 2.5])
+    assert out[1].numpy().tolist() == [7]
+    with pytest.raises(ValueError, match="unknown reduction 'median'"):
+        collectives.allreduce([tf.constant([1.0])], op="median")
+
+
+def test_signature_round_trip():
+    row = collectives.signature([2, tf.float32.as_datatype_enum, 3, 5])
+    assert _describe_signature(row[0]) == "shape (3, 5) dtype float32"
+
+
+def test_shard_detection():
+    assert _is_sharded(tf.data.Dataset.range(8).shard(2, 0).batch(2))
+    assert not _is_sharded(tf.data.Dataset.range(8).batch(2))
+
+
+def test_this_horovod_build_has_no_xla_ops():
+    # The bootstrap builds without xla_mpi_ops.cc; tfdist must know (and say so under jit_compile).
+    assert collectives.xla_ops_available() is False
+
+
+def test_missing_horovod_gives_install_command():
+    code = (
+        "import sys; sys.modules['horovod'] = None; sys.modules['horovod.tensorflow'] = None\n"
+        "import tfdist\n"
+        "try:\n    tfdist.HorovodStrategy()\n"
+        "except tfdist.HorovodNotAvailableError as e:\n    print('ERROR:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ERROR: tfdist needs Horovod" in out.stdout, out.stderr[-2000:]
+    assert "bash scripts/bootstrap.sh" in out.stdout
