@@ -1,0 +1,24 @@
+"""TFRecord input pipelines for tfdist: sharded writer with manifests, exactly-once distributed reader.
+
+```python
+from pipelines import write_arrays, read_dataset
+write_arrays({"x": x, "y": y}, "/scratch/ds", min_shards=8)
+ds, plan = read_dataset("/scratch/ds", batch_size=32, input_context=ctx)
+```
+"""
+
+from pipelines.manifest import Manifest, ManifestError, load as load_manifest
+from pipelines.reader import ShardPlan, plan_shards, read_dataset
+from pipelines.writer import write_arrays, write_examples, write_image_folder
+
+__all__ = [
+    "Manifest",
+    "ManifestError",
+    "ShardPlan",
+    "load_manifest",
+    "plan_shards",
+    "read_dataset",
+    "write_arrays",
+    "write_examples",
+    "write_image_folder",
+]

@@ -62,10 +62,10 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   mpi_flag=HOROVOD_WITHOUT_MPI=1
   command -v mpicxx >/dev/null && mpi_flag=HOROVOD_WITH_MPI=1
   mkdir -p "$WHEEL_DIR"
-  (cd "$src" && env CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
+  (cd "$src" && export CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
       HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 "$mpi_flag" \
       HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-      pip_quiet wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" . ) \
+      && pip_quiet wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" . ) \
     || { log "horovod build failed (see above)"; rm -rf "$WHEEL_DIR.tmp"; exit 1; }
   mv "$WHEEL_DIR.tmp"/horovod-*.whl "$WHEEL_DIR"/ && rm -rf "$WHEEL_DIR.tmp"
 fi

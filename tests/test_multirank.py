@@ -102,3 +102,20 @@ def test_misuse_fails_loudly_on_every_rank(tmp_path):
         assert mismatch["error"] == "RankMismatchError"
         assert "(3, 4)" in mismatch["message"] and "(3, 5)" in mismatch["message"]
         assert "kernel" in mismatch["message"] and "rank 1" in mismatch["message"]
+
+
+@pytest.mark.parametrize("shards,mode", [(4, "file"), (3, "range"), (1, "range")])
+def test_two_ranks_read_every_record_exactly_once(tmp_path, shards, mode):
+    from pipelines import write_arrays
+
+    data_dir = tmp_path / f"ds{shards}"
+    write_arrays({"id": np.arange(41, dtype=np.int64)}, data_dir, shard_bytes=1 << 30, min_shards=shards)
+    ranks = run_job([WORKERS / "pipeline_checks.py", "--data", data_dir], tmp_path / "out", np=2)
+    r0, r1 = ranks[0][data_dir.name], ranks[1][data_dir.name]
+    assert r0["eval"]["mode"] == r1["eval"]["mode"] == mode
+    # evaluation pass: the union is exactly the dataset, nothing doubled
+    assert sorted(r0["eval"]["ids"] + r1["eval"]["ids"]) == list(range(41))
+    # training epoch: equal step counts on both ranks, no record seen twice
+    assert r0["train"]["steps"] == r1["train"]["steps"] == 20 // 4
+    train = r0["train"]["ids"] + r1["train"]["ids"]
+    assert len(train) == 2 * 5 * 4 and len(set(train)) == len(train)

@@ -208,9 +208,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         return self._gather_to_implementation(input_tensor, None, axis, options)
 
     def _local_results(self, value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return tuple(value.values)
-        return (value,)
+        return (distribute_utils.select_replica(0, value),)
 
     def read_var(self, replica_local_var):
         return tf.identity(replica_local_var)
