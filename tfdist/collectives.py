@@ -15,7 +15,6 @@ total = collectives.allreduce([tf.constant(1.0)], op="sum")[0]   # == size
 
 import glob
 import os
-import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -27,7 +26,7 @@ INSTALL_HINT = (
     "TensorFlow: `bash scripts/bootstrap.sh` (see README.md, 'Install')."
 )
 
-# Collective names must not depend on the Python object ids or graph names that differ by rank.
+# Reduction names accepted by allreduce(), mapped to Horovod op attributes.
 _OPS = {"sum": "Sum", "average": "Average", "adasum": "Adasum", "min": "Min", "max": "Max"}
 
 _hvd = None
@@ -117,20 +116,11 @@ def allgather(tensor, name=None):
     return horovod().allgather(tensor, name=name)
 
 
-def allgather_object(obj, name=None):
-    """Gather one picklable object per rank (eager only); returns a list indexed by rank."""
-    return horovod().allgather_object(obj, name=name)
-
-
 def signature(values, width=12):
-    """Encode small ints (shape, dtype, name hash) as a fixed-width int64 row for allgather."""
+    """Encode small ints (ndim, dtype enum, dims) as a fixed-width int64 row for allgather."""
     row = np.full([1, width], -2, dtype=np.int64)
     row[0, : len(values)] = values
     return row
-
-
-def name_hash(text):
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def xla_ops_available():
