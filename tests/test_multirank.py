@@ -90,6 +90,10 @@ def test_strategy_topology_and_input_contexts(tmp_path_factory):
     assert (f0["chief_path_is_own"], f1["chief_path_is_own"]) == (True, False)
     assert f0["input_context"] == [2, 0, 2] and f1["input_context"] == [2, 1, 2]
     assert sorted(f0["records_seen"] + f1["records_seen"]) == list(range(10))
+    for f in (f0, f1):
+        assert f["gathered"] == [[0.0, 0.0], [1.0, 1.0]]
+        assert f["gathered_axis1"] == [[0.0, 0.0, 1.0, 1.0]]
+        assert f["reduced_sum"] == 3.0
 
 
 def test_misuse_fails_loudly_on_every_rank(tmp_path):

@@ -12,6 +12,7 @@ only at the end, so ranks may evaluate different numbers of batches without wait
 Installed by `HorovodStrategy()`; models under other strategies are untouched.
 """
 
+import os
 import sys
 import threading
 
@@ -40,8 +41,6 @@ def install():
 
 
 def _legacy_keras_requested():
-    import os
-
     return os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
 
 

@@ -194,7 +194,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         )
 
     def _gather_to_implementation(self, value, destinations, axis, options):
-        value = _local_value(value)
+        value = distribute_utils.select_replica(0, value)
         if collectives.size() == 1:
             return value
         if axis != 0:
@@ -203,9 +203,6 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
             inverse = [perm.index(d) for d in range(len(perm))]
             return tf.transpose(gathered, inverse)
         return collectives.allgather(value)
-
-    def _all_gather(self, input_tensor, axis, options=None):
-        return self._gather_to_implementation(input_tensor, None, axis, options)
 
     def _local_results(self, value):
         return (distribute_utils.select_replica(0, value),)
@@ -241,18 +238,6 @@ class _HorovodReplicaContext(distribute_lib.ReplicaContext):
     @property
     def devices(self):
         return self._strategy.extended.worker_devices
-
-    def all_gather(self, value, axis, options=None):
-        return tf.nest.map_structure(
-            lambda v: self._strategy.extended._all_gather(v, axis, options), value
-        )
-
-
-def _local_value(value):
-    """This rank's tensor of a one-replica `PerReplica` (as Keras' input iterators yield)."""
-    if isinstance(value, tf.distribute.DistributedValues):
-        (value,) = value.values
-    return value
 
 
 def _describe_signature(row):

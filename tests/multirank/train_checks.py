@@ -139,6 +139,12 @@ def strategy_facts(strategy, results):
         "should_checkpoint": strategy.extended.should_checkpoint,
         "chief_path_is_own": strategy.chief_path("/tmp/ckpt/model.keras") == "/tmp/ckpt/model.keras",
     }
+    rank_tensor = tf.constant([[float(strategy.rank)] * 2])
+    results["facts"]["gathered"] = strategy.gather(rank_tensor, axis=0).numpy().tolist()
+    results["facts"]["gathered_axis1"] = strategy.gather(rank_tensor, axis=1).numpy().tolist()
+    results["facts"]["reduced_sum"] = float(
+        strategy.reduce(tf.distribute.ReduceOp.SUM, tf.constant(strategy.rank + 1.0), axis=None)
+    )
     contexts = []
 
     def dataset_fn(ctx):
