@@ -1,0 +1,11 @@
+"""Keras callbacks for tfdist training (Keras 3, or tf-keras with TF_USE_LEGACY_KERAS=1).
+
+```python
+from callbacks import SkippedRecordsReport
+model.fit(ds, callbacks=[SkippedRecordsReport(plan.skipped)])
+```
+"""
+
+from callbacks.skipped_records import SkippedRecordsReport
+
+__all__ = ["SkippedRecordsReport"]

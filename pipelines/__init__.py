@@ -8,13 +8,15 @@ ds, plan = read_dataset("/scratch/ds", batch_size=32, input_context=ctx)
 """
 
 from pipelines.manifest import Manifest, ManifestError, load as load_manifest
-from pipelines.reader import ShardPlan, plan_shards, read_dataset
+from pipelines.reader import ShardPlan, SkippedRecords, explain_record, plan_shards, read_dataset
 from pipelines.writer import write_arrays, write_examples, write_image_folder
 
 __all__ = [
     "Manifest",
     "ManifestError",
     "ShardPlan",
+    "SkippedRecords",
+    "explain_record",
     "load_manifest",
     "plan_shards",
     "read_dataset",

@@ -93,6 +93,43 @@ def load(source):
     return Manifest(os.path.dirname(os.path.abspath(path)), features, shards, tuple(data.get("class_names", ())))
 
 
+def from_files(pattern):
+    """A manifest for TFRecord files written elsewhere (no manifest.json): counts every record.
+
+    Features are inferred from the first record: int64 and float lists become scalars, byte
+    lists stay bytes (e.g. encoded images). Reading every file once makes this slower than
+    a written manifest; write one with `pipelines.write_*` for large datasets.
+    """
+    import glob
+
+    import tensorflow as tf
+
+    files = sorted(glob.glob(str(pattern)))
+    if not files:
+        raise FileNotFoundError(f"no TFRecord files match {pattern}")
+    shards = []
+    for path in files:
+        try:
+            count = int(tf.data.TFRecordDataset(path).reduce(0, lambda n, _: n + 1))
+        except tf.errors.DataLossError as e:
+            raise ManifestError(f"{path} is not a readable TFRecord file: {e.message}") from None
+        shards.append(Shard(os.path.basename(path), count, os.path.getsize(path), ""))
+    if len({os.path.dirname(os.path.abspath(p)) for p in files}) != 1:
+        raise ManifestError(f"files matching {pattern} must share one directory")
+    first = next(iter(tf.data.TFRecordDataset(files[0]).take(1)), None)
+    if first is None:
+        raise ManifestError(f"{files[0]} holds no records to infer the features from")
+    example = tf.train.Example.FromString(first.numpy())
+    features = {}
+    for name, feature in example.features.feature.items():
+        kind = feature.WhichOneof("kind")
+        features[name] = {
+            "int64_list": FeatureSpec("int64", (), "int64"),
+            "float_list": FeatureSpec("float32", (), "float"),
+        }.get(kind, FeatureSpec("string", (), "bytes"))
+    return Manifest(os.path.dirname(os.path.abspath(files[0])), features, tuple(shards))
+
+
 def sha256_of(path, chunk=1 << 20):
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -168,9 +168,22 @@ def image_folder_examples(root):
     def examples():
         for path, label in files:
             with open(path, "rb") as f:
-                yield {"image": f.read(), "label": np.int64(label)}
+                data = f.read()
+            _check_decodes(path, data)
+            yield {"image": data, "label": np.int64(label)}
 
     return examples(), class_names, len(files)
+
+
+def _check_decodes(path, data):
+    """Fail at conversion, naming the file, rather than mid-training on an undecodable image."""
+    try:
+        if tf.io.is_jpeg(data):
+            tf.image.extract_jpeg_shape(data)  # header only: cheap
+        else:
+            tf.io.decode_image(data, channels=3, expand_animations=False)
+    except (tf.errors.InvalidArgumentError, ValueError) as e:
+        raise ValueError(f"image {path} cannot be decoded: {str(e).splitlines()[0]}") from None
 
 
 def write_image_folder(root, out_dir, **kwargs):

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from pipelines import ManifestError, load_manifest, plan_shards, read_dataset, write_arrays, write_image_folder
+from pipelines.reader import explain_record
 
 
 def arrays(n=103):
@@ -103,3 +104,106 @@ def test_training_mode_gives_equal_steps_and_reshuffles(tmp_path):
     epoch2 = np.concatenate([next(it)["id"].numpy() for _ in range(plan.steps_per_epoch)])
     assert len(set(epoch1)) == len(epoch1) == 48
     assert not np.array_equal(epoch1, epoch2)
+
+
+def corrupt_byte(path, record_index, records):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // records * record_index + 20] ^= 0xFF  # inside the record's payload
+    open(path, "wb").write(bytes(data))
+
+
+def rewrite_manifest(directory, **changes):
+    path = os.path.join(directory, "manifest.json")
+    data = json.load(open(path))
+    for name, spec in changes.items():
+        data["features"][name] = spec
+    json.dump(data, open(path, "w"))
+
+
+def test_empty_pattern_and_truncated_shard_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no TFRecord files match .*nothing-"):
+        read_dataset(str(tmp_path / "nothing-*.tfrecord"), batch_size=2)
+    m = write_arrays(arrays(20), tmp_path / "ds", min_shards=2)
+    path = m.path(m.shards[1])
+    with open(path, "r+b") as f:
+        f.truncate(m.shards[1].bytes - 10)
+    with pytest.raises(ManifestError, match=f"shard {path} has .* bytes but the manifest says"):
+        read_dataset(tmp_path / "ds", batch_size=2)
+
+
+def test_file_pattern_without_manifest_counts_records(tmp_path):
+    write_arrays({"id": np.arange(30, dtype=np.int64)}, tmp_path / "ds", min_shards=3)
+    got, plan = read_all(str(tmp_path / "ds" / "*.tfrecord"))
+    assert plan.records == 30 and sorted(got["id"].tolist()) == list(range(30))
+
+
+def test_corrupt_record_names_shard_and_record(tmp_path):
+    m = write_arrays({"id": np.arange(20, dtype=np.int64)}, tmp_path / "ds", min_shards=2)
+    path = m.path(m.shards[0])
+    corrupt_byte(path, 5, m.shards[0].records)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"shard .*{m.shards[0].file}.*: record 5 could not be read"):
+        read_all(tmp_path / "ds")
+    assert "record 5 is unreadable" in explain_record(str(tmp_path / "ds"), path, 5)
+
+
+def test_missing_feature_and_wrong_shape_are_named(tmp_path):
+    m = write_arrays(arrays(12), tmp_path / "ds", min_shards=1)
+    rewrite_manifest(tmp_path / "ds", extra={"dtype": "int64", "shape": [], "encoding": "int64"})
+    with pytest.raises(tf.errors.InvalidArgumentError, match="record 0 could not be read or parsed"):
+        read_all(tmp_path / "ds")
+    assert "feature 'extra'" in explain_record(str(tmp_path / "ds"), m.path(m.shards[0]), 0)
+
+    m = write_arrays(arrays(12), tmp_path / "ds2", min_shards=1)
+    rewrite_manifest(tmp_path / "ds2", x={"dtype": "float32", "shape": [4, 2], "encoding": "raw"})
+    with pytest.raises(tf.errors.InvalidArgumentError, match="record 0 could not be read or parsed"):
+        read_all(tmp_path / "ds2")
+    assert "feature 'x'" in explain_record(str(tmp_path / "ds2"), m.path(m.shards[0]), 0)
+
+
+def test_skip_corrupt_counts_per_shard(tmp_path):
+    m = write_arrays({"id": np.arange(40, dtype=np.int64)}, tmp_path / "ds", min_shards=2)
+    corrupt_byte(m.path(m.shards[1]), 15, m.shards[1].records)  # records 15..19 of shard 1 are lost
+    got, plan = read_all(tmp_path / "ds", skip_corrupt=True)
+    assert len(got["id"]) == 35
+    assert plan.skipped.report() == {m.path(m.shards[1]): 5}
+    plan.skipped.reset()
+    assert plan.skipped.report() == {}
+
+
+def test_undecodable_image_names_the_file(tmp_path):
+    (tmp_path / "img" / "cat").mkdir(parents=True)
+    (tmp_path / "img" / "cat" / "ok.png").write_bytes(tf.io.encode_png(np.zeros((4, 4, 3), np.uint8)).numpy())
+    (tmp_path / "img" / "cat" / "broken.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
+    with pytest.raises(ValueError, match=r"image .*broken\.jpg cannot be decoded"):
+        write_image_folder(str(tmp_path / "img"), tmp_path / "ds")
+
+
+def test_cli_converts_npz_and_validate_finds_the_bad_shard(tmp_path, capsys):
+    from pipelines.cli import main
+
+    np.savez(tmp_path / "d.npz", x=np.arange(60, dtype=np.float32).reshape(30, 2), y=np.arange(30))
+    assert main(["convert", str(tmp_path / "d.npz"), str(tmp_path / "ds"), "--min-shards", "3"]) == 0
+    assert "wrote 30 records in 3 shards" in capsys.readouterr().out
+    assert main(["validate", str(tmp_path / "ds"), "--checksum"]) == 0
+    m = load_manifest(str(tmp_path / "ds"))
+    corrupt_byte(m.path(m.shards[2]), 4, m.shards[2].records)
+    assert main(["validate", str(tmp_path / "ds")]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD  {m.path(m.shards[2])}: 6 of 10 records unreadable" in out and "record 4" in out
+
+
+def test_skipped_records_report_logs_each_epoch_and_resets(tmp_path, caplog):
+    import keras
+
+    from callbacks import SkippedRecordsReport
+
+    m = write_arrays({"x": np.ones((40, 2), np.float32), "y": np.zeros(40, np.float32)}, tmp_path / "ds", min_shards=2)
+    corrupt_byte(m.path(m.shards[0]), 10, m.shards[0].records)  # 10 of shard 0's 20 records lost
+    # one full pass per epoch (training=False), so each epoch meets the corrupt record once
+    ds, plan = read_dataset(tmp_path / "ds", batch_size=5, training=False, skip_corrupt=True)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(ds.map(lambda e: (e["x"], e["y"])), epochs=2, verbose=0,
+                        callbacks=[SkippedRecordsReport(plan.skipped)])
+    assert history.history["skipped_records"] == [10, 10]
+    assert f"skipped 10 corrupt record(s) in {m.path(m.shards[0])}" in caplog.text

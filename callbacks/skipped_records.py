@@ -1,0 +1,31 @@
+"""Report, every epoch, the records a `skip_corrupt` pipeline dropped, per shard file.
+
+```python
+ds, plan = pipelines.read_dataset(path, 32, training=True, skip_corrupt=True)
+model.fit(ds, steps_per_epoch=plan.steps_per_epoch, callbacks=[SkippedRecordsReport(plan.skipped)])
+```
+"""
+
+import logging
+
+from callbacks._keras import Callback
+
+log = logging.getLogger("tfdist.pipelines")
+
+
+class SkippedRecordsReport(Callback):
+    """Logs the per-shard skip counts at each epoch end, adds `skipped_records` to the logs, resets."""
+
+    def __init__(self, skipped, rank=None):
+        super().__init__()
+        self.skipped = skipped
+        self.rank = rank
+
+    def on_epoch_end(self, epoch, logs=None):
+        counts = self.skipped.report()
+        who = f"rank {self.rank}: " if self.rank is not None else ""
+        for path, n in sorted(counts.items()):
+            log.warning("%sepoch %d: skipped %d corrupt record(s) in %s", who, epoch + 1, n, path)
+        if logs is not None:
+            logs["skipped_records"] = sum(counts.values())
+        self.skipped.reset()
