@@ -7,7 +7,9 @@ ds, plan = read_dataset("/scratch/ds", batch_size=32, input_context=ctx)
 ```
 """
 
+from pipelines import preprocessing
 from pipelines.manifest import Manifest, ManifestError, load as load_manifest
+from pipelines.staging import StagingError, stage_dataset
 from pipelines.reader import ShardPlan, SkippedRecords, explain_record, plan_shards, read_dataset
 from pipelines.writer import write_arrays, write_examples, write_image_folder
 
@@ -16,10 +18,13 @@ __all__ = [
     "ManifestError",
     "ShardPlan",
     "SkippedRecords",
+    "StagingError",
     "explain_record",
     "load_manifest",
+    "preprocessing",
     "plan_shards",
     "read_dataset",
+    "stage_dataset",
     "write_arrays",
     "write_examples",
     "write_image_folder",

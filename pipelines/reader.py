@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from pipelines import manifest as manifest_lib
@@ -114,43 +115,112 @@ class SkippedRecords:
         self.counts.assign(tf.zeros_like(self.counts))
 
 
-def _checked_records(segment, path, start, count, parse, skipped):
-    """Records [start, start+count) of one shard, parsed; a record that cannot be read or parsed
-    raises an error naming the shard and record (or, with `skipped`, is counted and dropped).
+PARSE_BLOCK = 64  # records parsed together: vectorised parsing, per-record error checks
 
-    TFRecord reading stops at a corrupt record and parse errors drop the record, so each
-    failure shows up as a gap in the record indices; a sentinel after the last record checks
-    the tail.
+
+def block_parser_for(manifest):
+    """Parse a block of serialized records without failing on a bad record.
+
+    Returns `parse_block(records) -> (problems [n, features] bool, examples dict of [n, ...])`:
+    a record with a feature missing, repeated, or of the wrong byte size gets zeros and a
+    problem flag instead of an error. (A feature stored with another proto type, e.g. an int64
+    list where the manifest says bytes, still fails the whole block; the caller handles that.)
     """
-    def parse_indexed(index, record):
-        return index, parse(record)
+    features = list(manifest.features.items())
+    spec = {}
+    for name, f in features:
+        spec[name] = tf.io.RaggedFeature({"int64": tf.int64, "float": tf.float32}.get(f.encoding, tf.string))
 
-    records = tf.data.TFRecordDataset(path).skip(start).take(count).enumerate(start)
-    parsed = records.map(parse_indexed).ignore_errors()
-    sentinel = tf.data.Dataset.from_tensors(start + count).map(
-        lambda i: (i, tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), parsed.element_spec[1]))
+    def parse_block(records):
+        parsed = tf.io.parse_example(records, spec)
+        n = tf.shape(records)[0]
+        problems, out = [], {}
+        for name, f in features:
+            values = parsed[name]
+            ok = tf.equal(values.row_lengths(), 1)
+            default = "" if values.dtype == tf.string else 0
+            flat = values.to_tensor(default_value=default, shape=[None, 1])[:, 0]
+            if f.encoding == "raw":
+                dtype = tf.dtypes.as_dtype(f.dtype)
+                nbytes = int(np.prod(f.shape, dtype=np.int64)) * dtype.size
+                ok &= tf.equal(tf.strings.length(flat), nbytes)
+                flat = tf.where(ok, flat, tf.fill([n], tf.constant(b"\0" * nbytes)))
+                value = tf.reshape(tf.io.decode_raw(flat, dtype), tf.concat([[n], f.shape], 0))
+            elif f.encoding in ("int64", "float"):
+                value = tf.cast(flat, tf.dtypes.as_dtype(f.dtype))
+            else:
+                value = flat
+            problems.append(~ok)
+            out[name] = value
+        return tf.stack(problems, axis=1), out
+
+    return parse_block
+
+
+def _zeros_like_spec(spec):
+    return tf.nest.map_structure(
+        lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), spec
     )
 
-    def track(expected, element):
-        index, example = element
-        return index + 1, (index, expected, example)
 
-    def keep(index, expected, example):
-        gap = index - expected
+def _checked_records(segment, path, start, count, parse_block, feature_names, skipped):
+    """Records [start, start+count) of one shard, parsed in blocks. A record that cannot be read
+    or parsed raises an error naming the shard and record (with `skipped`: counted and dropped).
+
+    TFRecord reading stops at a corrupt record (so the tail goes missing), a block whose parse
+    fails is dropped (a gap in the block numbers), and bad records inside a block are flagged;
+    a sentinel after the last block checks the tail.
+    """
+    def parse_numbered(k, records):
+        return k, tf.shape(records, tf.int64)[0], parse_block(records)
+
+    raw = tf.data.TFRecordDataset(path).skip(start).take(count).ignore_errors().batch(PARSE_BLOCK)
+    blocks = raw.enumerate().map(parse_numbered).ignore_errors()
+    sentinel = tf.data.Dataset.from_tensors(_zeros_like_spec(blocks.element_spec)).map(
+        lambda k, n, parsed: (tf.constant(-1, tf.int64), n, parsed)
+    )
+
+    def track(state, element):
+        expected_block, seen = state
+        k, n, parsed = element
+        return (k + 1, seen + n), (k, expected_block, seen, parsed)
+
+    def check(k, expected_block, seen, parsed):
+        problems, examples = parsed
+        is_sentinel = tf.equal(k, -1)
+        bad_rows = tf.reduce_any(problems, axis=1)
         if skipped is not None:
-            with tf.control_dependencies([skipped.add(segment, tf.maximum(gap, 0))]):
-                return index < start + count
-        message = tf.strings.format(
-            "shard {}: record {} could not be read or parsed (corrupt or truncated file, or a "
-            "feature missing or not matching the manifest); pipelines.explain_record names the "
-            "feature; read with skip_corrupt=True to skip and count such records",
-            (path, expected),
+            lost = tf.where(is_sentinel, count - seen, tf.reduce_sum(tf.cast(bad_rows, tf.int64)))
+            with tf.control_dependencies([skipped.add(segment, lost)]):
+                return tf.identity(bad_rows), examples, is_sentinel
+        unreadable = (
+            "shard {}: records from {} on could not be read or parsed ({} of {} read): a corrupt "
+            "record, a truncated file, or a feature stored with another type than the manifest "
+            "says; `tfdist-data validate` or pipelines.explain_record names the cause; read with "
+            "skip_corrupt=True to skip and count such records"
         )
-        with tf.control_dependencies([tf.debugging.Assert(gap <= 0, [message], summarize=1)]):
-            return index < start + count
+        dropped = tf.strings.format(unreadable, (path, start + expected_block * PARSE_BLOCK, seen, count))
+        # padded with an all-bad row so the argmax is defined for an empty (sentinel) block
+        padded = tf.concat([problems, tf.ones([1, len(feature_names)], tf.bool)], 0)
+        row = tf.argmax(tf.cast(tf.reduce_any(padded, axis=1), tf.int32), output_type=tf.int64)
+        feature = tf.gather(tf.constant(feature_names), tf.argmax(tf.cast(tf.gather(padded, row), tf.int32)))
+        invalid = tf.strings.format(
+            "shard {}: record {}: feature {} is missing or does not match the manifest; read with "
+            "skip_corrupt=True to skip and count such records", (path, start + k * PARSE_BLOCK + row, feature))
+        truncated = tf.strings.format(unreadable, (path, start + seen, seen, count))
+        checks = [
+            tf.debugging.Assert(is_sentinel | tf.equal(k, expected_block), [dropped], summarize=1),
+            tf.debugging.Assert(~tf.reduce_any(bad_rows), [invalid], summarize=1),
+            tf.debugging.Assert(~is_sentinel | tf.equal(seen, count), [truncated], summarize=1),
+        ]
+        with tf.control_dependencies(checks):
+            return tf.identity(bad_rows), examples, is_sentinel
 
-    stream = parsed.concatenate(sentinel).scan(tf.cast(start, tf.int64), track).filter(keep)
-    return stream.map(lambda index, expected, example: example)
+    checked = blocks.concatenate(sentinel).scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), track).map(check)
+    records = checked.filter(lambda bad, examples, is_sentinel: ~is_sentinel).map(
+        lambda bad, examples, is_sentinel: (bad, examples)
+    ).unbatch()
+    return records.filter(lambda bad, example: ~bad).map(lambda bad, example: example)
 
 
 def explain_record(source, path, index):
@@ -172,7 +242,7 @@ def explain_record(source, path, index):
 
 
 def read_dataset(source, batch_size, *, input_context=None, training=True, map_fn=None,
-                 shuffle_buffer=10_000, seed=0, cache=None, interleave_cycle=None,
+                 augment_fn=None, shuffle_buffer=10_000, seed=0, cache=None, interleave_cycle=None,
                  deterministic=None, private_threads=None, ram_budget_mb=None, prefetch=True,
                  skip_corrupt=False):
     """The tf.data pipeline of one input pipeline (rank) and its `ShardPlan`.
@@ -186,9 +256,12 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         training: shuffle files and records (seeded, different every epoch), repeat with
             `plan.steps_per_epoch` batches per epoch, drop the last partial batch. False:
             evaluation order, one pass, nothing dropped.
-        map_fn: applied to each parsed example dict (decode/augment), in parallel.
-        cache: None, "memory", or a file path prefix; caches parsed (and `map_fn`'d) examples
-            before shuffling, so put augmentation in a later `.map` if it must differ per epoch.
+        map_fn: applied to each parsed example (deterministic work: decode, cast), in parallel,
+            before the cache.
+        augment_fn: applied after the cache and the shuffle (random per-epoch work: crops,
+            flips; also the place for decoding large images, so the shuffle buffer holds
+            small encoded records), in parallel.
+        cache: None, "memory", or a file path prefix: caches parsed (and `map_fn`'d) examples.
         skip_corrupt: drop records that cannot be read or parsed instead of failing, and count
             them per shard in `plan.skipped` (see `callbacks.SkippedRecordsReport`).
     """
@@ -207,7 +280,8 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
     log.info("pipeline %d/%d reads %d records from %d segment(s), mode=%s",
              pipeline_id, pipelines, plan.records, len(plan.segments), plan.mode)
 
-    parse = parser_for(manifest)
+    parse_block = block_parser_for(manifest)
+    feature_names = list(manifest.features)
     segments = tf.data.Dataset.from_tensor_slices((
         tf.range(len(plan.segments), dtype=tf.int64),
         tf.constant([s[0] for s in plan.segments]),
@@ -218,18 +292,18 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         segments = segments.shuffle(len(plan.segments), seed=seed, reshuffle_each_iteration=True)
     cycle = interleave_cycle or min(len(plan.segments), 8)
     ds = segments.interleave(
-        lambda i, path, start, count: _checked_records(i, path, start, count, parse, skipped),
+        lambda i, path, start, count: _checked_records(i, path, start, count, parse_block, feature_names, skipped),
         cycle_length=max(cycle, 1), num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=not training if deterministic is None else deterministic,
     )
-    if map_fn is not None and cache is not None:
+    if map_fn is not None:
         ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
     if cache is not None:
         ds = ds.cache("" if cache == "memory" else cache)
     if training:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    if map_fn is not None and cache is None:
-        ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
+    if augment_fn is not None:
+        ds = ds.map(augment_fn, num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.batch(batch_size, drop_remainder=training)
     if training:
         ds = ds.take(plan.steps_per_epoch).repeat()  # same step count on every rank, every epoch

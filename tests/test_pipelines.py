@@ -141,7 +141,7 @@ def test_corrupt_record_names_shard_and_record(tmp_path):
     m = write_arrays({"id": np.arange(20, dtype=np.int64)}, tmp_path / "ds", min_shards=2)
     path = m.path(m.shards[0])
     corrupt_byte(path, 5, m.shards[0].records)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"shard .*{m.shards[0].file}.*: record 5 could not be read"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"shard .*{m.shards[0].file}.*: records from 5 on could not be read or parsed \(5 of 10 read\)"):
         read_all(tmp_path / "ds")
     assert "record 5 is unreadable" in explain_record(str(tmp_path / "ds"), path, 5)
 
@@ -149,13 +149,13 @@ def test_corrupt_record_names_shard_and_record(tmp_path):
 def test_missing_feature_and_wrong_shape_are_named(tmp_path):
     m = write_arrays(arrays(12), tmp_path / "ds", min_shards=1)
     rewrite_manifest(tmp_path / "ds", extra={"dtype": "int64", "shape": [], "encoding": "int64"})
-    with pytest.raises(tf.errors.InvalidArgumentError, match="record 0 could not be read or parsed"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r'record 0: feature .*"extra.* is missing'):
         read_all(tmp_path / "ds")
     assert "feature 'extra'" in explain_record(str(tmp_path / "ds"), m.path(m.shards[0]), 0)
 
     m = write_arrays(arrays(12), tmp_path / "ds2", min_shards=1)
     rewrite_manifest(tmp_path / "ds2", x={"dtype": "float32", "shape": [4, 2], "encoding": "raw"})
-    with pytest.raises(tf.errors.InvalidArgumentError, match="record 0 could not be read or parsed"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r'record 0: feature .*"x.* does not match'):
         read_all(tmp_path / "ds2")
     assert "feature 'x'" in explain_record(str(tmp_path / "ds2"), m.path(m.shards[0]), 0)
 
@@ -207,3 +207,39 @@ def test_skipped_records_report_logs_each_epoch_and_resets(tmp_path, caplog):
                         callbacks=[SkippedRecordsReport(plan.skipped)])
     assert history.history["skipped_records"] == [10, 10]
     assert f"skipped 10 corrupt record(s) in {m.path(m.shards[0])}" in caplog.text
+
+
+def test_feature_of_another_type_names_the_records(tmp_path):
+    m = write_arrays({"id": np.arange(10, dtype=np.int64)}, tmp_path / "ds", min_shards=1)
+    rewrite_manifest(tmp_path / "ds", id={"dtype": "string", "shape": [], "encoding": "bytes"})
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"records from 0 on could not be read or parsed \(0 of 10 read\)"):
+        read_all(tmp_path / "ds")
+    assert "feature 'id'" in explain_record(str(tmp_path / "ds"), m.path(m.shards[0]), 3)
+    got, plan = read_all(tmp_path / "ds", skip_corrupt=True)
+    assert got == {} and plan.skipped.report() == {m.path(m.shards[0]): 10}
+
+
+def test_skip_corrupt_drops_only_the_bad_records(tmp_path):
+    from pipelines import manifest as manifest_lib
+    from pipelines.writer import infer_spec, serialize
+
+    good = {"id": np.int64(0), "x": np.zeros(3, np.float32)}
+    specs = infer_spec(good)
+    path = tmp_path / "ds" / "mixed.tfrecord"
+    path.parent.mkdir()
+    with tf.io.TFRecordWriter(str(path)) as w:
+        for i in range(70):  # records 3 and 66 lack "x": one in each parse block
+            example = {"id": np.int64(i), "x": np.full(3, i, np.float32)}
+            if i in (3, 66):
+                example = {"id": np.int64(i)}
+                w.write(serialize(example, {"id": specs["id"]}))
+            else:
+                w.write(serialize(example, specs))
+    shard = manifest_lib.Shard("mixed.tfrecord", 70, os.path.getsize(path), "")
+    manifest_lib.Manifest(str(tmp_path / "ds"), specs, (shard,)).save()
+    got, plan = read_all(tmp_path / "ds", skip_corrupt=True)
+    assert sorted(got["id"].tolist()) == [i for i in range(70) if i not in (3, 66)]
+    np.testing.assert_array_equal(got["x"][:, 0], got["id"].astype(np.float32))
+    assert plan.skipped.report() == {str(path): 2}
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r'record 3: feature .*"x.* is missing'):
+        read_all(tmp_path / "ds")
