@@ -217,10 +217,11 @@ def _checked_records(segment, path, start, count, parse_block, feature_names, sk
             return tf.identity(bad_rows), examples, is_sentinel
 
     checked = blocks.concatenate(sentinel).scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), track).map(check)
-    records = checked.filter(lambda bad, examples, is_sentinel: ~is_sentinel).map(
-        lambda bad, examples, is_sentinel: (bad, examples)
-    ).unbatch()
-    return records.filter(lambda bad, example: ~bad).map(lambda bad, example: example)
+    def good_rows(bad, examples, is_sentinel):
+        return tf.nest.map_structure(lambda t: tf.boolean_mask(t, ~bad), examples)
+
+    # the sentinel block is empty, so it vanishes in unbatch()
+    return checked.map(good_rows).unbatch()
 
 
 def explain_record(source, path, index):

@@ -32,11 +32,11 @@ from pipelines import preprocessing, read_dataset, write_arrays, write_examples 
 from pipelines import manifest as manifest_lib  # noqa: E402
 
 
-def imagenet_like_jpeg(rng, height=350, width=400, quality=90):
-    """A photo-sized JPEG: smooth colour fields plus fine noise, about 110 KB at quality 90."""
+def imagenet_like_jpeg(rng, height=350, width=400, quality=94):
+    """A photo-sized JPEG: smooth colour fields plus fine noise, about 110 KB at quality 94."""
     base = rng.random((height // 25, width // 25, 3)) * 255
     smooth = tf.image.resize(base[None], (height, width), method="bicubic")[0].numpy()
-    noisy = np.clip(smooth + rng.normal(0, 18, smooth.shape), 0, 255).astype(np.uint8)
+    noisy = np.clip(smooth + rng.normal(0, 30, smooth.shape), 0, 255).astype(np.uint8)
     return tf.io.encode_jpeg(noisy, quality=quality).numpy()
 
 
