@@ -6,6 +6,22 @@ model.fit(ds, callbacks=[SkippedRecordsReport(plan.skipped)])
 ```
 """
 
+from callbacks.lars import LARS
+from callbacks.lr_schedule import (
+    LearningRateWarmup,
+    WarmupSchedule,
+    polynomial_decay,
+    scale_learning_rate,
+    step_decay,
+)
 from callbacks.skipped_records import SkippedRecordsReport
 
-__all__ = ["SkippedRecordsReport"]
+__all__ = [
+    "LARS",
+    "LearningRateWarmup",
+    "SkippedRecordsReport",
+    "WarmupSchedule",
+    "polynomial_decay",
+    "scale_learning_rate",
+    "step_decay",
+]

@@ -123,3 +123,16 @@ def test_two_ranks_read_every_record_exactly_once(tmp_path, shards, mode):
     assert r0["train"]["steps"] == r1["train"]["steps"] == 20 // 4
     train = r0["train"]["ids"] + r1["train"]["ids"]
     assert len(train) == 2 * 5 * 4 and len(set(train)) == len(train)
+
+
+def test_overflow_on_one_rank_is_skipped_by_all_ranks(keras_flavor, tmp_path):
+    # Without the global finite check, rank 0 enters the allreduce that rank 1 skips: a hang,
+    # which the job timeout turns into a failure.
+    ranks = run_job([WORKERS / "precision_checks.py"], tmp_path, np=2, env=flavor_env(keras_flavor), timeout=240)
+    s0, s1 = ranks[0]["steps"], ranks[1]["steps"]
+    assert len(s0) == len(s1) == 6
+    assert s0 == s1  # same scale and same weights on both ranks after every step
+    scales = [s["scale"] for s in s0]
+    assert scales[2] == scales[1] / 2  # the overflow step halved the scale ...
+    assert s0[2]["weights"] == s0[1]["weights"]  # ... and applied nothing
+    assert s0[3]["weights"] != s0[2]["weights"] and scales[3:] == [scales[2]] * 3  # training went on

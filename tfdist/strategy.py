@@ -24,6 +24,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, distribute_utils, one_device_strategy
 
 from tfdist import collectives, keras_metrics
+from tfdist import precision as precision_lib
 from tfdist.errors import RankMismatchError
 
 log = logging.getLogger("tfdist")
@@ -41,9 +42,11 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         check_variables: compare every new variable's shape and dtype across ranks before
             broadcasting it, and raise naming the first mismatch (costs one small collective
             per variable at creation).
+        precision: None (leave Keras' dtype policy alone), "auto" (pick for the hardware, see
+            `tfdist.precision.choose_policy`), or a policy name ("mixed_float16", ...).
     """
 
-    def __init__(self, device=None, *, compression=None, check_variables=True):
+    def __init__(self, device=None, *, compression=None, check_variables=True, precision=None):
         collectives.init()
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
@@ -54,6 +57,9 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
         distribute_lib.Strategy.__init__(self, extended)
         keras_metrics.install()
+        precision_lib.install()
+        if precision is not None:
+            precision_lib.set_policy(precision)
 
     # Horovod topology, for user code (data sharding, logging, chief-only work).
     @property

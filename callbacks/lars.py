@@ -1,0 +1,135 @@
+"""LARS: layer-wise adaptive rate scaling (You, Gitman, Ginsburg 2017), for Keras 3 and tf-keras.
+
+```python
+from callbacks import LARS, WarmupSchedule, polynomial_decay
+optimizer = LARS(WarmupSchedule(polynomial_decay(9.0, total_steps), warmup_steps), momentum=0.9,
+                 weight_decay=5e-4)
+model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+```
+
+For each variable w with gradient g (a "layer"):
+
+    trust    = eta * ||w|| / (||g|| + weight_decay * ||w|| + epsilon)   (1 if ||w|| or ||g|| is 0)
+    velocity = momentum * velocity + learning_rate * trust * (g + weight_decay * w)
+    w        = w - velocity
+
+Variables whose path contains one of `exclude_from_adaptation` (default: biases and
+BatchNorm/LayerNorm parameters) get plain momentum updates: trust 1, no weight decay.
+"""
+
+import tensorflow as tf
+
+from callbacks._keras import keras_module
+
+keras = keras_module()
+DEFAULT_EXCLUDE = ("bias", "beta", "gamma", "batch_norm", "batchnorm", "layer_norm", "layernorm")
+
+
+def lars_direction(w, g, weight_decay, eta, epsilon, adapt):
+    """The LARS update direction (before momentum and learning rate) for one variable."""
+    if not adapt:
+        return g
+    w_norm = tf.norm(w)
+    g_norm = tf.norm(g)
+    trust = tf.where(
+        tf.logical_and(w_norm > 0, g_norm > 0),
+        eta * w_norm / (g_norm + weight_decay * w_norm + epsilon),
+        tf.ones_like(w_norm),
+    )
+    return trust * (g + weight_decay * w)
+
+
+def _variable_path(variable):
+    return (getattr(variable, "path", None) or variable.name).lower()
+
+
+class _LarsMixin:
+    """Hyperparameters, exclusion and config shared by both Keras flavours' classes."""
+
+    def _init_lars(self, momentum, weight_decay, eta, epsilon, exclude_from_adaptation):
+        self.momentum = float(momentum)
+        self.lars_weight_decay = float(weight_decay)
+        self.eta = float(eta)
+        self.epsilon = float(epsilon)
+        self.exclude_from_adaptation = tuple(exclude_from_adaptation)
+
+    def adapts(self, variable):
+        path = _variable_path(variable)
+        return not any(pattern in path for pattern in self.exclude_from_adaptation)
+
+    def _lars_update(self, gradient, variable, velocity, learning_rate):
+        dtype = variable.dtype
+        w = tf.convert_to_tensor(variable)
+        direction = lars_direction(
+            w, tf.cast(gradient, dtype), tf.cast(self.lars_weight_decay, dtype),
+            tf.cast(self.eta, dtype), tf.cast(self.epsilon, dtype), self.adapts(variable),
+        )
+        new_velocity = self.momentum * tf.convert_to_tensor(velocity) + tf.cast(learning_rate, dtype) * direction
+        velocity.assign(new_velocity)
+        variable.assign_sub(new_velocity)
+
+    def _lars_config(self):
+        return {
+            "momentum": self.momentum,
+            "weight_decay": self.lars_weight_decay,
+            "eta": self.eta,
+            "epsilon": self.epsilon,
+            "exclude_from_adaptation": list(self.exclude_from_adaptation),
+        }
+
+
+if keras.__name__ == "tf_keras":
+
+    @keras.saving.register_keras_serializable(package="tfdist")
+    class LARS(_LarsMixin, keras.optimizers.Optimizer):
+        __doc__ = __doc__
+
+        def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay=1e-4, eta=0.001, epsilon=1e-9,
+                     exclude_from_adaptation=DEFAULT_EXCLUDE, name="LARS", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self._learning_rate = self._build_learning_rate(learning_rate)
+            self._init_lars(momentum, weight_decay, eta, epsilon, exclude_from_adaptation)
+
+        def build(self, var_list):
+            super().build(var_list)
+            if getattr(self, "_built", False):
+                return
+            self._built = True
+            self.velocities = [self.add_variable_from_reference(v, "velocity") for v in var_list]
+
+        def update_step(self, gradient, variable):
+            velocity = self.velocities[self._index_dict[self._var_key(variable)]]
+            self._lars_update(gradient, variable, velocity, self.learning_rate)
+
+        def get_config(self):
+            config = super().get_config()
+            config.update({"learning_rate": self._serialize_hyperparameter(self._learning_rate)})
+            config.update(self._lars_config())
+            return config
+
+else:  # Keras 3
+
+    @keras.saving.register_keras_serializable(package="tfdist")
+    class LARS(_LarsMixin, keras.optimizers.Optimizer):
+        __doc__ = __doc__
+
+        def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay=1e-4, eta=0.001, epsilon=1e-9,
+                     exclude_from_adaptation=DEFAULT_EXCLUDE, name="LARS", **kwargs):
+            # weight decay is part of the LARS update, not Keras' decoupled decay
+            super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+            self._init_lars(momentum, weight_decay, eta, epsilon, exclude_from_adaptation)
+
+        def build(self, var_list):
+            if self.built:
+                return
+            super().build(var_list)
+            self.velocities = [self.add_variable_from_reference(v, "velocity") for v in var_list]
+
+        def update_step(self, gradient, variable, learning_rate):
+            velocity = self.velocities[self._get_variable_index(variable)]
+            self._lars_update(gradient, variable, velocity, learning_rate)
+
+        def get_config(self):
+            config = super().get_config()
+            config.update(self._lars_config())
+            return config

@@ -1,0 +1,30 @@
+"""Precision policy choice on synthetic hardware, and explicit policies."""
+
+import pytest
+
+from tfdist import precision
+
+
+@pytest.mark.parametrize("gpus,flags,expected", [
+    ([{"compute_capability": (8, 0)}, {"compute_capability": (8, 0)}], set(), "mixed_float16"),
+    ([{"compute_capability": (7, 0)}], set(), "mixed_float16"),
+    ([{"compute_capability": (6, 1)}], {"avx512_bf16"}, "float32"),  # the GPU decides
+    ([], {"avx2", "amx_bf16", "amx_tile"}, "mixed_bfloat16"),
+    ([], {"avx512f", "avx512_bf16"}, "mixed_bfloat16"),
+    ([], {"avx2", "fma"}, "float32"),
+])
+def test_auto_policy_follows_the_hardware(gpus, flags, expected):
+    policy, reason = precision.choose_policy(gpus=gpus, flags=flags)
+    assert policy == expected and reason
+
+
+def test_explicit_and_invalid_policies():
+    import keras
+
+    try:
+        assert precision.set_policy("mixed_bfloat16") == "mixed_bfloat16"
+        assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+        with pytest.raises(ValueError, match="precision policy 'half'"):
+            precision.set_policy("half")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -1,0 +1,108 @@
+"""Mixed precision for tfdist: pick the Keras dtype policy for the hardware, keep loss scaling
+consistent across ranks.
+
+```python
+import tfdist
+policy = tfdist.precision.set_policy("auto")   # mixed_float16 / mixed_bfloat16 / float32, logged
+```
+
+Loss scaling: Keras 3's `LossScaleOptimizer` decides to apply or skip a step from each rank's
+*local* gradients, before they are all-reduced. If one rank overflows and another does not, one
+rank enters the gradient allreduce and the other skips it, and the job hangs. Under
+`HorovodStrategy` tfdist makes that decision global: a rank's "all finite" flag is combined
+across ranks first, so every rank skips or applies the same step and the loss scale stays
+identical. (tf-keras all-reduces gradients before checking them, so it needs no change.)
+"""
+
+import logging
+import os
+
+import tensorflow as tf
+
+from tfdist import collectives
+
+log = logging.getLogger("tfdist")
+
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+_installed = False
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def choose_policy(gpus=None, flags=None):
+    """(policy, reason) for this machine: fp16 on NVIDIA GPUs with compute capability >= 7.0,
+    bf16 on CPUs with AMX or AVX512-BF16, float32 elsewhere (bf16 without them is slower)."""
+    if gpus is None:
+        gpus = [tf.config.experimental.get_device_details(g) for g in tf.config.list_physical_devices("GPU")]
+    capabilities = [g.get("compute_capability") for g in gpus if g.get("compute_capability")]
+    if capabilities:
+        if min(capabilities) >= (7, 0):
+            return "mixed_float16", f"NVIDIA GPU with compute capability {min(capabilities)} has tensor cores"
+        return "float32", f"GPU compute capability {min(capabilities)} < 7.0: no fast float16"
+    flags = cpu_flags() if flags is None else flags
+    bf16 = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    if bf16:
+        return "mixed_bfloat16", f"CPU supports {', '.join(bf16)}"
+    return "float32", "CPU has neither AMX nor AVX512-BF16: bfloat16 would be slower than float32"
+
+
+def set_policy(policy="auto"):
+    """Set the global Keras dtype policy ("auto" or one of POLICIES); returns the policy name."""
+    if policy == "auto":
+        policy, reason = choose_policy()
+        hvd = collectives.horovod()
+        if not hvd.is_initialized() or hvd.rank() == 0:
+            log.warning("tfdist: precision policy %s (%s)", policy, reason)
+    elif policy not in POLICIES:
+        raise ValueError(f"precision policy {policy!r}: expected 'auto' or one of {POLICIES}")
+    _keras().mixed_precision.set_global_policy(policy)
+    return policy
+
+
+def _keras():
+    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true"):
+        import tf_keras
+
+        return tf_keras
+    import keras
+
+    return keras
+
+
+def install():
+    """Make Keras 3's LossScaleOptimizer decide apply/skip from all ranks' gradients."""
+    global _installed
+    if _installed:
+        return
+    try:
+        from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    except ImportError:  # pragma: no cover - Keras 3 ships with TF 2.21
+        return
+    _installed = True
+    local_check = LossScaleOptimizer.check_finite
+
+    def check_finite(self, grads):
+        finite = local_check(self, grads)
+        if not _under_horovod():
+            return finite
+        # One tiny allreduce that every rank issues, whatever its own gradients hold.
+        overflowed = collectives.allreduce([tf.cast(tf.logical_not(finite), tf.int32)], op="sum")[0]
+        return tf.equal(overflowed, 0)
+
+    check_finite.__doc__ = local_check.__doc__
+    LossScaleOptimizer.check_finite = check_finite
+
+
+def _under_horovod():
+    from tfdist.strategy import HorovodStrategy
+
+    return isinstance(tf.distribute.get_strategy(), HorovodStrategy) and collectives.size() > 1
