@@ -74,3 +74,10 @@ def test_missing_horovod_gives_install_command():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ERROR: tfdist needs Horovod" in out.stdout, out.stderr[-2000:]
     assert "bash scripts/bootstrap.sh" in out.stdout
+
+
+def test_bad_strategy_options_are_refused_with_reasons(strategy):
+    with pytest.raises(ValueError, match="op='adasum'.*Gloo only"):
+        tfdist.HorovodStrategy(op="adasum")
+    with pytest.raises(ValueError, match="compression='zip'"):
+        tfdist.HorovodStrategy(compression="zip")

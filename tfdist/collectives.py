@@ -108,6 +108,28 @@ def allreduce(tensors, op="sum", name=None, compression=None):
     return out
 
 
+def compression(value):
+    """A Horovod Compression from None, "none", "fp16" or a Compression object."""
+    hvd = horovod()
+    if value is None or value == "none":
+        return None
+    if value == "fp16":
+        return hvd.Compression.fp16
+    if isinstance(value, str):
+        raise ValueError(f"compression={value!r}: expected None, 'none' or 'fp16'")
+    return value
+
+
+def adasum_refusal():
+    hvd = horovod()
+    if not hvd.mpi_built():
+        return ("op='adasum': Horovod's Adasum runs on its MPI controller, and this Horovod was "
+                "built with Gloo only (install an MPI such as Debian's libopenmpi-dev before "
+                "scripts/bootstrap.sh, and launch with mpirun). Use op='average'.")
+    return ("op='adasum': not supported by HorovodStrategy yet (Keras scales the loss by "
+            "1/num_replicas_in_sync, which Adasum must not see). Use op='average'.")
+
+
 def broadcast(tensor, root_rank=0, name=None):
     return horovod().broadcast(tensor, root_rank=root_rank, name=name)
 

@@ -38,7 +38,12 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
     Args:
         device: device for this rank's replica; default: this rank's local GPU
             (`GPU:<local_rank>` of the visible GPUs) or the CPU.
-        compression: a `horovod.tensorflow.Compression` applied to gradient allreduces.
+        compression: gradient compression for the allreduce: None or "none", "fp16" (floating
+            gradients cast to float16 before and back after; halves the bytes sent), or a
+            `horovod.tensorflow.Compression`.
+        op: how gradients combine across ranks: "average" (Keras' loss scaling by
+            1/num_replicas_in_sync turns the sum into the average). "adasum" is refused with
+            the reason (it needs Horovod's MPI controller, and tfdist does not drive it yet).
         check_variables: compare every new variable's shape and dtype across ranks before
             broadcasting it, and raise naming the first mismatch (costs one small collective
             per variable at creation).
@@ -46,8 +51,13 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             `tfdist.precision.choose_policy`), or a policy name ("mixed_float16", ...).
     """
 
-    def __init__(self, device=None, *, compression=None, check_variables=True, precision=None):
+    def __init__(self, device=None, *, compression=None, op="average", check_variables=True,
+                 precision=None):
         collectives.init()
+        compression = collectives.compression(compression)
+        if op != "average":
+            raise ValueError(collectives.adasum_refusal() if op == "adasum" else
+                             f"op={op!r}: HorovodStrategy supports op='average'")
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
