@@ -1,16 +1,5 @@
-"""The Keras flavour in use: tf-keras when TF_USE_LEGACY_KERAS=1 (as TensorFlow decides), else Keras 3."""
+"""The Keras flavour callbacks build on (see tfdist.keras_flavour)."""
 
-import os
-
-
-def keras_module():
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true"):
-        import tf_keras
-
-        return tf_keras
-    import keras
-
-    return keras
-
+from tfdist.keras_flavour import keras_module
 
 Callback = keras_module().callbacks.Callback

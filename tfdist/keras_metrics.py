@@ -12,13 +12,13 @@ only at the end, so ranks may evaluate different numbers of batches without wait
 Installed by `HorovodStrategy()`; models under other strategies are untouched.
 """
 
-import os
 import sys
 import threading
 
 import tensorflow as tf
 
 from tfdist import collectives
+from tfdist.keras_flavour import legacy_requested
 
 _state = threading.local()
 _installed = set()
@@ -32,16 +32,12 @@ def install():
         TensorFlowTrainer = None
     if TensorFlowTrainer is not None:
         _patch(TensorFlowTrainer, _keras3_global_result)
-    if "tf_keras" in sys.modules or _legacy_keras_requested():
+    if "tf_keras" in sys.modules or legacy_requested():
         try:
             from tf_keras.src.engine import training as tf_keras_training
         except ImportError:
             return
         _patch(tf_keras_training.Model, _tf_keras_global_result)
-
-
-def _legacy_keras_requested():
-    return os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
 
 
 def _patch(model_class, global_result):

@@ -15,11 +15,11 @@ identical. (tf-keras all-reduces gradients before checking them, so it needs no 
 """
 
 import logging
-import os
 
 import tensorflow as tf
 
 from tfdist import collectives
+from tfdist.keras_flavour import keras_module
 
 log = logging.getLogger("tfdist")
 
@@ -64,18 +64,8 @@ def set_policy(policy="auto"):
             log.warning("tfdist: precision policy %s (%s)", policy, reason)
     elif policy not in POLICIES:
         raise ValueError(f"precision policy {policy!r}: expected 'auto' or one of {POLICIES}")
-    _keras().mixed_precision.set_global_policy(policy)
+    keras_module().mixed_precision.set_global_policy(policy)
     return policy
-
-
-def _keras():
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true"):
-        import tf_keras
-
-        return tf_keras
-    import keras
-
-    return keras
 
 
 def install():

@@ -18,11 +18,9 @@ from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist.keras_flavour import keras_module  # noqa: E402
 
-if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
-    import tf_keras as keras
-else:
-    import keras
+keras = keras_module()
 
 
 def load_shards(rank, size):

@@ -6,16 +6,7 @@ import sys
 
 import numpy as np
 
-
-def keras_module():
-    """Keras 3, or tf-keras when TF_USE_LEGACY_KERAS=1 (as TensorFlow itself decides)."""
-    if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
-        import tf_keras
-
-        return tf_keras
-    import keras
-
-    return keras
+from tfdist.keras_flavour import keras_module  # noqa: F401  (re-exported for the workers)
 
 
 def to_jsonable(value):
