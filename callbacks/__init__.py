@@ -6,7 +6,7 @@ model.fit(ds, callbacks=[SkippedRecordsReport(plan.skipped)])
 ```
 """
 
-from callbacks.lars import LARS
+from callbacks.lars import LARC, LARS
 from callbacks.lr_schedule import (
     LearningRateWarmup,
     WarmupSchedule,
@@ -17,6 +17,7 @@ from callbacks.lr_schedule import (
 from callbacks.skipped_records import SkippedRecordsReport
 
 __all__ = [
+    "LARC",
     "LARS",
     "LearningRateWarmup",
     "SkippedRecordsReport",

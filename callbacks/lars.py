@@ -1,4 +1,4 @@
-"""LARS: layer-wise adaptive rate scaling (You, Gitman, Ginsburg 2017), for Keras 3 and tf-keras.
+"""LARS (You, Gitman, Ginsburg 2017) and the LARC wrapper, for Keras 3 and tf-keras.
 
 ```python
 from callbacks import LARS, WarmupSchedule, polynomial_decay
@@ -15,6 +15,13 @@ For each variable w with gradient g (a "layer"):
 
 Variables whose path contains one of `exclude_from_adaptation` (default: biases and
 BatchNorm/LayerNorm parameters) get plain momentum updates: trust 1, no weight decay.
+
+`LARC(inner_optimizer, mode="clip"|"scale")` applies the layer-wise rate to any optimizer: each
+gradient becomes `(g + weight_decay * w) * rate`, with
+`rate = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + epsilon)` ("scale"), or
+`min(rate / learning_rate, 1)` ("clip": the layer's effective rate never exceeds the global one).
+It acts in the optimizer's update step, i.e. on the all-reduced gradient, so under
+`HorovodStrategy` it sees the same global gradient as a single process would.
 """
 
 import tensorflow as tf
@@ -133,3 +140,69 @@ else:  # Keras 3
             config = super().get_config()
             config.update(self._lars_config())
             return config
+
+
+LARC_MODES = ("clip", "scale")
+
+
+class _LarcMixin:
+    """Rewrites each gradient with the layer-wise rate, then runs the inner optimizer's update."""
+
+    def _init_larc(self, trust_coefficient, mode, weight_decay, epsilon, exclude_from_adaptation):
+        if mode not in LARC_MODES:
+            raise ValueError(f"LARC mode={mode!r}: expected one of {LARC_MODES}")
+        self.trust_coefficient = float(trust_coefficient)
+        self.larc_mode = mode
+        self.larc_weight_decay = float(weight_decay)
+        self.larc_epsilon = float(epsilon)
+        self.exclude_from_adaptation = tuple(exclude_from_adaptation)
+
+    def _larc_gradient(self, gradient, variable, learning_rate):
+        path = _variable_path(variable)
+        if any(pattern in path for pattern in self.exclude_from_adaptation):
+            return gradient
+        dtype = variable.dtype
+        w = tf.convert_to_tensor(variable)
+        g = tf.cast(tf.convert_to_tensor(gradient), dtype)
+        wd = tf.cast(self.larc_weight_decay, dtype)
+        w_norm, g_norm = tf.norm(w), tf.norm(g)
+        rate = tf.where(
+            tf.logical_and(w_norm > 0, g_norm > 0),
+            self.trust_coefficient * w_norm / (g_norm + wd * w_norm + self.larc_epsilon),
+            tf.ones_like(w_norm),
+        )
+        if self.larc_mode == "clip":
+            rate = tf.minimum(rate / tf.cast(learning_rate, dtype), 1.0)
+        return (g + wd * w) * rate
+
+
+_larc_classes = {}
+
+
+def _larc_class(optimizer_class):
+    if optimizer_class not in _larc_classes:
+        if keras.__name__ == "tf_keras":
+            def update_step(self, gradient, variable):
+                lr = self.learning_rate
+                return optimizer_class.update_step(self, self._larc_gradient(gradient, variable, lr), variable)
+        else:
+            def update_step(self, gradient, variable, learning_rate):
+                gradient = self._larc_gradient(gradient, variable, learning_rate)
+                return optimizer_class.update_step(self, gradient, variable, learning_rate)
+        _larc_classes[optimizer_class] = type(
+            f"LARC{optimizer_class.__name__}", (_LarcMixin, optimizer_class), {"update_step": update_step}
+        )
+    return _larc_classes[optimizer_class]
+
+
+def LARC(inner_optimizer, trust_coefficient=0.02, mode="clip", weight_decay=0.0, epsilon=1e-8,
+         exclude_from_adaptation=DEFAULT_EXCLUDE):
+    """A copy of `inner_optimizer` (same class and config) whose updates use LARC's layer-wise rate.
+
+    Give weight decay to LARC, not to the inner optimizer. The result is a subclass of the inner
+    optimizer's class; it is not registered for Keras serialisation, so save weights or
+    checkpoints (the optimizer state is saved as usual) rather than the compiled model.
+    """
+    optimizer = _larc_class(type(inner_optimizer)).from_config(inner_optimizer.get_config())
+    optimizer._init_larc(trust_coefficient, mode, weight_decay, epsilon, exclude_from_adaptation)
+    return optimizer

@@ -77,3 +77,41 @@ def test_config_round_trip():
     again = LARS.from_config(optimizer.get_config())
     assert again.get_config() == optimizer.get_config()
     assert again.exclude_from_adaptation == ("bias",)
+
+
+def larc_reference(w, grads, lr, mode, tc=0.02, wd=0.01, eps=1e-8, adapt=True):
+    """Plain numpy LARC around plain SGD (no momentum)."""
+    w = w.astype(np.float64)
+    for g in grads:
+        if adapt:
+            wn, gn = np.linalg.norm(w), np.linalg.norm(g)
+            rate = tc * wn / (gn + wd * wn + eps) if wn > 0 and gn > 0 else 1.0
+            if mode == "clip":
+                rate = min(rate / lr, 1.0)
+            g = (g + wd * w) * rate
+        w = w - lr * g
+    return w
+
+
+@pytest.mark.parametrize("mode", ["clip", "scale"])
+def test_larc_wraps_sgd_and_matches_reference(mode):
+    from callbacks import LARC
+
+    rng = np.random.default_rng(4)
+    values = {
+        "dense/kernel": rng.normal(size=(3, 4)).astype(np.float32) * 0.01,  # small: clip engages
+        "wide/kernel": rng.normal(size=(4, 4)).astype(np.float32) * 10,  # large: rate capped at 1
+        "dense/bias": rng.normal(size=(4,)).astype(np.float32),
+        "zero/kernel": np.zeros((4, 2), np.float32),
+    }
+    variables = [make_variable(v, path) for path, v in values.items()]
+    optimizer = LARC(keras.optimizers.SGD(0.1), mode=mode, weight_decay=0.01)
+    assert isinstance(optimizer, keras.optimizers.SGD)
+    grads = {path: [rng.normal(size=v.shape).astype(np.float32) for _ in range(3)] for path, v in values.items()}
+    for step in range(3):
+        optimizer.apply_gradients([(tf.constant(grads[p][step]), v) for p, v in zip(values, variables)])
+    for (path, initial), variable in zip(values.items(), variables):
+        expected = larc_reference(initial, grads[path], 0.1, mode, adapt=path != "dense/bias")
+        np.testing.assert_allclose(np.asarray(variable), expected, rtol=1e-5, atol=1e-6, err_msg=path)
+    with pytest.raises(ValueError, match="LARC mode='both'"):
+        LARC(keras.optimizers.SGD(0.1), mode="both")
