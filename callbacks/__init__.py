@@ -6,6 +6,7 @@ model.fit(ds, callbacks=[SkippedRecordsReport(plan.skipped)])
 ```
 """
 
+from callbacks.accumulation import accumulate_gradients
 from callbacks.lars import LARC, LARS
 from callbacks.lr_schedule import (
     LearningRateWarmup,
@@ -22,6 +23,7 @@ __all__ = [
     "LearningRateWarmup",
     "SkippedRecordsReport",
     "WarmupSchedule",
+    "accumulate_gradients",
     "polynomial_decay",
     "scale_learning_rate",
     "step_decay",

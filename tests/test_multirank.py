@@ -54,8 +54,8 @@ def test_ranks_seeded_differently_start_identical(keras_flavor, case, tmp_path_f
     assert ranks[0][case]["initial"] == ranks[1][case]["initial"]
 
 
-def test_gradient_accumulation_equals_one_larger_batch(tmp_path_factory):
-    ranks, reference = train_results("keras3", tmp_path_factory)
+def test_gradient_accumulation_equals_one_larger_batch(keras_flavor, tmp_path_factory):
+    ranks, reference = train_results(keras_flavor, tmp_path_factory)
     assert ranks[0]["accumulation"] == ranks[1]["accumulation"]
     # 2 ranks x batch 8 x 2 accumulated micro-batches == 1 process x batch 32, step for step
     assert_weights_close(ranks[0]["accumulation"], reference["accumulation"])

@@ -93,24 +93,24 @@ def equivalence_checks(strategy, reference, results):
 
 
 def accumulation_and_compression_checks(strategy, reference, results):
-    """Keras 3 gradient accumulation (2 micro-steps) and fp16-compressed gradients.
+    """Gradient accumulation (2 micro-steps) and fp16-compressed gradients.
 
     Ranks: batch B, accumulating 2 micro-batches per update; reference: one process, batch 4B.
     """
     rank, size = strategy.rank, strategy.size
     x, y = make_data("dense", PER_RANK_BATCH * RANKS * 2 * STEPS)
-    if hasattr(keras, "Variable"):  # Keras 3 only: tf-keras optimizers cannot accumulate
-        with strategy.scope():
-            model = build_model("dense", seed=3)
-            optimizer = keras.optimizers.SGD(0.05, momentum=0.9,
-                                             gradient_accumulation_steps=None if reference else 2)
-            model.compile(optimizer=optimizer, loss=loss_fn())
-        if reference:
-            model.fit(x, y, batch_size=PER_RANK_BATCH * RANKS * 2, epochs=1, shuffle=False, verbose=0)
-        else:
-            model.fit(rank_slice(x, rank, size, PER_RANK_BATCH), rank_slice(y, rank, size, PER_RANK_BATCH),
-                      batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
-        results["accumulation"] = weights_of(model)
+    from callbacks import accumulate_gradients
+
+    with strategy.scope():
+        model = build_model("dense", seed=3)
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+        model.compile(optimizer=optimizer if reference else accumulate_gradients(optimizer, 2), loss=loss_fn())
+    if reference:
+        model.fit(x, y, batch_size=PER_RANK_BATCH * RANKS * 2, epochs=1, shuffle=False, verbose=0)
+    else:
+        model.fit(rank_slice(x, rank, size, PER_RANK_BATCH), rank_slice(y, rank, size, PER_RANK_BATCH),
+                  batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    results["accumulation"] = weights_of(model)
     # fp16 compression on the ranks; the reference trains uncompressed on batch 2B
     compressed = tfdist.HorovodStrategy(compression="fp16")
     with compressed.scope():
