@@ -22,7 +22,8 @@ def train_results(flavor, tmp_path_factory):
     return _cache[flavor]
 
 
-CASES = [f"{m}/{o}" for m in ("dense", "embedding") for o in ("sgd_momentum", "adam", "adamw")]
+OPTIMIZERS = ("sgd_momentum", "adam", "adamw", "lars", "larc_sgd", "sgd_warmup")
+CASES = [f"{m}/{o}" for m in ("dense", "embedding") for o in OPTIMIZERS]
 
 
 def assert_weights_close(a, b, atol=1e-5):

@@ -20,9 +20,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from callbacks import LARC, LARS, WarmupSchedule, accumulate_gradients  # noqa: E402
 
 keras = keras_module()
 
+OPTIMIZERS = ("sgd_momentum", "adam", "adamw", "lars", "larc_sgd", "sgd_warmup")
 PER_RANK_BATCH = 8
 STEPS = 5
 RANKS = 2  # the reference run stands in for this many ranks
@@ -58,6 +60,12 @@ def make_optimizer(name, lr=0.05):
         return keras.optimizers.Adam(lr / 10)
     if name == "adamw":
         return keras.optimizers.AdamW(lr / 10, weight_decay=0.01)
+    if name == "lars":
+        return LARS(lr * 10, momentum=0.9, weight_decay=1e-3, eta=0.01)
+    if name == "larc_sgd":
+        return LARC(keras.optimizers.SGD(lr, momentum=0.9), mode="clip", weight_decay=1e-3)
+    if name == "sgd_warmup":
+        return keras.optimizers.SGD(WarmupSchedule(lr, warmup_steps=4, start_learning_rate=lr / 10), momentum=0.9)
     raise ValueError(name)
 
 
@@ -82,7 +90,7 @@ def equivalence_checks(strategy, reference, results):
     batch = PER_RANK_BATCH * (RANKS if reference else 1)
     for kind in ("dense", "embedding"):
         x, y = make_data(kind, PER_RANK_BATCH * RANKS * STEPS)
-        for opt in ("sgd_momentum", "adam", "adamw"):
+        for opt in OPTIMIZERS:
             with strategy.scope():
                 model = build_model(kind, seed=1000 + 17 * rank)  # different seed per rank
                 model.compile(optimizer=make_optimizer(opt), loss=loss_fn())
@@ -99,8 +107,6 @@ def accumulation_and_compression_checks(strategy, reference, results):
     """
     rank, size = strategy.rank, strategy.size
     x, y = make_data("dense", PER_RANK_BATCH * RANKS * 2 * STEPS)
-    from callbacks import accumulate_gradients
-
     with strategy.scope():
         model = build_model("dense", seed=3)
         optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
