@@ -9,6 +9,7 @@ model.fit(ds, callbacks=[SkippedRecordsReport(plan.skipped)])
 from callbacks.accumulation import accumulate_gradients
 from callbacks.lars import LARC, LARS
 from callbacks.lr_schedule import (
+    LearningRateLogger,
     LearningRateWarmup,
     WarmupSchedule,
     polynomial_decay,
@@ -20,6 +21,7 @@ from callbacks.skipped_records import SkippedRecordsReport
 __all__ = [
     "LARC",
     "LARS",
+    "LearningRateLogger",
     "LearningRateWarmup",
     "SkippedRecordsReport",
     "WarmupSchedule",

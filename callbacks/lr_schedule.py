@@ -16,6 +16,8 @@ the epoch Keras resumes at (`fit(initial_epoch=...)`).
 
 import math
 
+import numpy as np
+
 from callbacks._keras import Callback, keras_module
 
 keras = keras_module()
@@ -139,9 +141,24 @@ class LearningRateWarmup(Callback):
             logs["learning_rate"] = float(_get_lr(self.model.optimizer))
 
 
-def _get_lr(optimizer):
-    import numpy as np
+class LearningRateLogger(Callback):
+    """Adds the learning rate used by each epoch's last step to that epoch's logs (a schedule is
+    evaluated at that step), so `History` and `keras.callbacks.TensorBoard` (place this callback
+    before it) record it, the same on Keras 3 and tf-keras."""
 
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        optimizer = self.model.optimizer
+        schedule = getattr(optimizer, "_learning_rate", None)
+        if isinstance(schedule, _schedules.LearningRateSchedule):
+            last_step = max(int(np.asarray(optimizer.iterations)) - 1, 0)
+            logs["learning_rate"] = float(np.asarray(schedule(last_step)))
+        else:
+            logs["learning_rate"] = float(_get_lr(optimizer))
+
+
+def _get_lr(optimizer):
     return np.asarray(optimizer.learning_rate)
 
 

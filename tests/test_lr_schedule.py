@@ -86,3 +86,14 @@ def test_momentum_correction_rescales_velocity():
     callback.on_epoch_begin(0)
     callback.on_train_batch_begin(0)  # 0.1 -> 0.05
     assert float(np.asarray(model.optimizer.momentums[0]).ravel()[0]) == pytest.approx(velocity * 0.5)
+
+
+def test_logger_records_the_scheduled_rate_each_epoch():
+    from callbacks import LearningRateLogger
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(WarmupSchedule(0.1, warmup_steps=8)), loss="mse")
+    history = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2, epochs=3, verbose=0,
+                        callbacks=[LearningRateLogger()])
+    # the rate of each epoch's last step: steps 3, 7, 11 of an 8-step warmup to 0.1
+    np.testing.assert_allclose(history.history["learning_rate"], [0.0375, 0.0875, 0.1], rtol=1e-5)
