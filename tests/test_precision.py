@@ -28,3 +28,21 @@ def test_explicit_and_invalid_policies():
             precision.set_policy("half")
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_float32_softmax_head_under_a_mixed_policy():
+    import keras
+    import numpy as np
+
+    try:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        logits = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model = precision.float32_softmax(logits)
+        x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+        out = model(x)
+        assert logits(x).dtype == "bfloat16" and out.dtype == "float32"
+        z = np.asarray(logits(x)).astype("float32")
+        expected = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

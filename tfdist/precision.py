@@ -68,6 +68,24 @@ def set_policy(policy="auto"):
     return policy
 
 
+def float32_softmax(logits_model, name="probabilities"):
+    """`logits_model` followed by a softmax computed in float32, whatever the dtype policy.
+
+    Under a mixed policy the layers compute in float16/bfloat16; the final softmax (and the
+    loss, which Keras computes in float32) should not. Build the model without its own output
+    activation (e.g. `keras.applications.ResNet50(weights=None, classifier_activation=None)`) and
+    wrap it:
+
+    ```python
+    model = tfdist.precision.float32_softmax(keras.applications.ResNet50(weights=None, classifier_activation=None))
+    ```
+    """
+    keras = keras_module()
+    inputs = keras.Input(shape=logits_model.input_shape[1:], dtype=logits_model.inputs[0].dtype)
+    probabilities = keras.layers.Activation("softmax", dtype="float32", name=name)(logits_model(inputs))
+    return keras.Model(inputs, probabilities, name=f"{logits_model.name}_float32_softmax")
+
+
 def install():
     """Make Keras 3's LossScaleOptimizer decide apply/skip from all ranks' gradients."""
     global _installed
