@@ -104,6 +104,12 @@ def test_strategy_topology_and_input_contexts(tmp_path_factory):
     assert (f0["chief_path_is_own"], f1["chief_path_is_own"]) == (True, False)
     assert f0["input_context"] == [2, 0, 2] and f1["input_context"] == [2, 1, 2]
     assert sorted(f0["records_seen"] + f1["records_seen"]) == list(range(10))
+    # tuning: the two ranks on this node are pinned to disjoint cores, with matching threads
+    a0, a1 = set(f0["tuning"]["cpu_affinity"]), set(f1["tuning"]["cpu_affinity"])
+    assert a0 and a1 and not (a0 & a1)
+    for f in (f0, f1):
+        assert f["affinity_now"] == sorted(f["tuning"]["cpu_affinity"])
+        assert f["intra_op_now"] == f["tuning"]["intra_op_threads"] >= 1
     for f in (f0, f1):
         assert f["gathered"] == [[0.0, 0.0], [1.0, 1.0]]
         assert f["gathered_axis1"] == [[0.0, 0.0, 1.0, 1.0]]

@@ -49,11 +49,18 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             per variable at creation).
         precision: None (leave Keras' dtype policy alone), "auto" (pick for the hardware, see
             `tfdist.precision.choose_policy`), or a policy name ("mixed_float16", ...).
+        tuning: True (default) applies `tfdist.tuning`'s per-rank plan (threads, core pinning,
+            oneDNN/OpenMP, one GPU per local rank); False leaves the process as it is; a dict
+            overrides choices (`intra_op_threads`, `inter_op_threads`, `pin`, `onednn`).
+        horovod: Horovod knobs set before `hvd.init()` unless already in the environment:
+            `fusion_threshold_mb`, `cycle_time_ms`, `timeline` (a file path), `autotune` (bool).
     """
 
     def __init__(self, device=None, *, compression=None, op="average", check_variables=True,
-                 precision=None):
+                 precision=None, tuning=True, horovod=None):
+        _set_horovod_knobs(horovod or {})
         collectives.init()
+        self.tuning_plan = _tune(tuning) if tuning is not False else None
         compression = collectives.compression(compression)
         if op != "average":
             raise ValueError(collectives.adasum_refusal() if op == "adasum" else
@@ -254,6 +261,36 @@ class _HorovodReplicaContext(distribute_lib.ReplicaContext):
     @property
     def devices(self):
         return self._strategy.extended.worker_devices
+
+
+_HOROVOD_KNOBS = {
+    "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda mb: str(int(mb * (1 << 20)))),
+    "cycle_time_ms": ("HOROVOD_CYCLE_TIME", str),
+    "timeline": ("HOROVOD_TIMELINE", str),
+    "autotune": ("HOROVOD_AUTOTUNE", lambda on: "1" if on else "0"),
+}
+
+
+def _set_horovod_knobs(knobs):
+    unknown = set(knobs) - set(_HOROVOD_KNOBS)
+    if unknown:
+        raise ValueError(f"unknown horovod option(s) {sorted(unknown)}; expected {sorted(_HOROVOD_KNOBS)}")
+    for key, value in knobs.items():
+        env, convert = _HOROVOD_KNOBS[key]
+        os.environ.setdefault(env, convert(value))
+
+
+def _tune(options):
+    from tfdist import tuning
+
+    overrides = options if isinstance(options, dict) else {}
+    topology = tuning.detect_topology(collectives.local_rank(), collectives.local_size())
+    plan = tuning.make_plan(topology, **overrides)
+    tuning.apply(plan)
+    if collectives.rank() == 0:
+        print(plan.summary(), flush=True)
+    log.info("tfdist tuning (rank %d): %s", collectives.rank(), plan.as_dict())
+    return plan
 
 
 def _describe_signature(row):

@@ -176,6 +176,9 @@ def strategy_facts(strategy, results):
         "num_replicas_in_sync": strategy.num_replicas_in_sync,
         "should_checkpoint": strategy.extended.should_checkpoint,
         "chief_path_is_own": strategy.chief_path("/tmp/ckpt/model.keras") == "/tmp/ckpt/model.keras",
+        "tuning": strategy.tuning_plan.as_dict(),
+        "affinity_now": sorted(os.sched_getaffinity(0)),
+        "intra_op_now": tf.config.threading.get_intra_op_parallelism_threads(),
     }
     rank_tensor = tf.constant([[float(strategy.rank)] * 2])
     results["facts"]["gathered"] = strategy.gather(rank_tensor, axis=0).numpy().tolist()

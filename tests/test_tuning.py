@@ -1,0 +1,90 @@
+"""Tuning decisions on synthetic topologies (pure), and applying them in a fresh process."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tfdist.tuning import Topology, make_plan
+
+
+def node(sockets, cores_per_socket, smt=False):
+    cores, cpu = [], 0
+    threads = 2 if smt else 1
+    total = sockets * cores_per_socket
+    for s in range(sockets):
+        for c in range(cores_per_socket):
+            logical = s * cores_per_socket + c
+            cores.append((s, c, tuple(logical + t * total for t in range(threads))))
+    return tuple(cores)
+
+
+def plans(topology_cores, local_size, **kwargs):
+    return [make_plan(Topology(topology_cores, r, local_size, **kwargs)) for r in range(local_size)]
+
+
+def test_two_sockets_28_cores_4_ranks_get_disjoint_half_sockets():
+    result = plans(node(2, 28), 4)
+    assert [p.intra_op_threads for p in result] == [14] * 4
+    assert [p.inter_op_threads for p in result] == [1] * 4  # each share sits in one socket
+    cpus = [set(p.cpu_affinity) for p in result]
+    assert all(len(c) == 14 for c in cpus) and len(set().union(*cpus)) == 56
+    assert cpus[0] == set(range(14)) and cpus[3] == set(range(42, 56))
+
+
+def test_smt_siblings_are_pinned_but_not_counted_as_threads():
+    result = plans(node(1, 8, smt=True), 2)
+    assert [p.intra_op_threads for p in result] == [4, 4]
+    assert set(result[0].cpu_affinity) == {0, 1, 2, 3, 8, 9, 10, 11}
+    assert "SMT" in result[0].summary()
+
+
+def test_one_rank_spanning_two_sockets_gets_two_inter_op_threads():
+    (plan,) = plans(node(2, 4), 1)
+    assert (plan.intra_op_threads, plan.inter_op_threads) == (8, 2)
+
+
+def test_more_ranks_than_cores_is_reported():
+    result = plans(node(1, 2), 4)
+    assert [p.intra_op_threads for p in result] == [1] * 4
+    assert "oversubscribed" in result[0].summary()
+
+
+def test_one_gpu_per_local_rank_on_an_8_gpu_node():
+    result = plans(node(2, 16), 8, gpus=8)
+    assert [p.visible_gpu for p in result] == list(range(8))
+    assert [p.intra_op_threads for p in result] == [4] * 8
+    assert "one GPU per local rank" in result[0].summary()
+
+
+def test_openmp_settings_only_for_openmp_builds():
+    (plain,) = plans(node(1, 4), 1)
+    (openmp,) = plans(node(1, 4), 1, openmp_build=True)
+    assert "OMP_NUM_THREADS" not in plain.env and plain.env["TF_ENABLE_ONEDNN_OPTS"] == "1"
+    assert openmp.env["OMP_NUM_THREADS"] == "4"
+    assert openmp.env["KMP_AFFINITY"] == "granularity=fine,compact,1,0"
+
+
+def test_overrides_win():
+    plan = make_plan(Topology(node(1, 8), 0, 1), intra_op_threads=3, inter_op_threads=2, pin=False)
+    assert (plan.intra_op_threads, plan.inter_op_threads, plan.cpu_affinity) == (3, 2, ())
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_apply_sets_threads_or_says_it_is_too_late(late):
+    code = (
+        "import os, tensorflow as tf\n"
+        "from tfdist import tuning\n"
+        + ("tf.constant(1.0) + 1\n" if late else "")
+        + "plan = tuning.make_plan(tuning.detect_topology(0, 1), intra_op_threads=1, inter_op_threads=1)\n"
+        "late = tuning.apply(plan)\n"
+        "print('LATE', late)\n"
+        "print('THREADS', tf.config.threading.get_intra_op_parallelism_threads())\n"
+        "print('AFFINITY', sorted(os.sched_getaffinity(0)) == sorted(plan.cpu_affinity))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "AFFINITY True" in out.stdout, out.stderr[-2000:]
+    if late:
+        assert "intra/inter-op threads" in out.stdout
+    else:
+        assert "LATE []" in out.stdout and "THREADS 1" in out.stdout

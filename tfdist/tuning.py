@@ -1,0 +1,193 @@
+"""Per-rank CPU/GPU tuning: threads, core pinning, oneDNN/OpenMP and GPU settings, with reasons.
+
+```python
+from tfdist import tuning
+topology = tuning.detect_topology(local_rank=0, local_size=2)
+plan = tuning.make_plan(topology)          # pure: same topology, same plan
+print(plan.summary())                      # one line: what was chosen and why
+tuning.apply(plan)                         # HorovodStrategy() does detect + plan + apply itself
+```
+
+CPU: each of the `local_size` ranks on a node gets its share of the physical cores (never two
+ranks on one core): intra-op threads = that share, inter-op threads = the sockets the share
+spans, and the process is pinned to those cores (with their SMT siblings). oneDNN is switched on
+(`TF_ENABLE_ONEDNN_OPTS=1`), and OpenMP builds (intel-tensorflow) get `OMP_NUM_THREADS`,
+`KMP_BLOCKTIME`, `KMP_AFFINITY`, `KMP_SETTINGS`. GPU: one GPU per local rank, memory growth on.
+Settings TensorFlow reads at start-up are reported as too late when TensorFlow has started.
+"""
+
+import dataclasses
+import glob
+import logging
+import os
+
+log = logging.getLogger("tfdist")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """What one rank sees. `cores` lists (socket, core id, [logical cpus]) per physical core."""
+
+    cores: tuple
+    local_rank: int = 0
+    local_size: int = 1
+    gpus: int = 0
+    openmp_build: bool = False
+
+    @property
+    def sockets(self):
+        return len({socket for socket, _, _ in self.cores})
+
+    @property
+    def smt(self):
+        return max((len(cpus) for _, _, cpus in self.cores), default=1) > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    intra_op_threads: int
+    inter_op_threads: int
+    cpu_affinity: tuple  # logical cpus this rank is pinned to (empty: no pinning)
+    env: dict
+    visible_gpu: int = None
+    reasons: tuple = ()
+
+    def summary(self):
+        gpu = f", GPU {self.visible_gpu}" if self.visible_gpu is not None else ""
+        return (f"tfdist tuning: intra_op={self.intra_op_threads} inter_op={self.inter_op_threads} "
+                f"cpus={_ranges(self.cpu_affinity)}{gpu}; " + "; ".join(self.reasons))
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def make_plan(topology, *, intra_op_threads=None, inter_op_threads=None, pin=True, onednn=True):
+    """The settings for one rank of `topology`; explicit arguments override the choices."""
+    reasons = []
+    ranks, rank = max(topology.local_size, 1), topology.local_rank
+    ordered = sorted(topology.cores, key=lambda c: (c[0], c[1]))
+    if len(ordered) >= ranks:
+        share = len(ordered) // ranks
+        mine = ordered[rank * share : (rank + 1) * share]
+        reasons.append(f"{len(ordered)} physical cores / {ranks} local ranks = {share} each"
+                       + (" (SMT siblings pinned, not counted)" if topology.smt else ""))
+    else:
+        mine = [ordered[rank % len(ordered)]] if ordered else []
+        reasons.append(f"{ranks} local ranks > {len(ordered)} physical cores: oversubscribed, 1 thread each")
+    intra = intra_op_threads or max(len(mine), 1)
+    inter = inter_op_threads or max(len({socket for socket, _, _ in mine}), 1)
+    affinity = tuple(sorted(cpu for _, _, cpus in mine for cpu in cpus)) if pin else ()
+    env = {}
+    if onednn:
+        env["TF_ENABLE_ONEDNN_OPTS"] = "1"
+        reasons.append("oneDNN on")
+    if topology.openmp_build:
+        env.update({"OMP_NUM_THREADS": str(intra), "KMP_BLOCKTIME": "1",
+                    "KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_SETTINGS": "1"})
+        reasons.append("OpenMP build: OMP/KMP settings")
+    gpu = None
+    if topology.gpus:
+        gpu = rank % topology.gpus
+        if ranks > topology.gpus:
+            reasons.append(f"{ranks} local ranks share {topology.gpus} GPUs")
+        else:
+            reasons.append(f"one GPU per local rank ({topology.gpus} GPUs)")
+    return Plan(intra, inter, affinity, env, gpu, tuple(reasons))
+
+
+def detect_topology(local_rank=0, local_size=1):
+    """Read this node's cores (Linux sysfs), GPUs and TensorFlow build kind."""
+    cores = {}
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    for path in sorted(glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology/core_id")):
+        cpu = int(path.split("/")[5][3:])
+        if allowed is not None and cpu not in allowed:
+            continue
+        topo = os.path.dirname(path)
+        socket = int(_read(os.path.join(topo, "physical_package_id"), "0"))
+        core = int(_read(path, str(cpu)))
+        cores.setdefault((socket, core), []).append(cpu)
+    if not cores:  # no sysfs: treat every usable cpu as a core
+        cpus = sorted(allowed or range(os.cpu_count() or 1))
+        cores = {(0, c): [c] for c in cpus}
+    return Topology(
+        cores=tuple((s, c, tuple(cpus)) for (s, c), cpus in sorted(cores.items())),
+        local_rank=local_rank, local_size=local_size,
+        gpus=_count_gpus(), openmp_build=_is_openmp_build(),
+    )
+
+
+def apply(plan):
+    """Apply `plan` to this process; returns the list of settings that came too late."""
+    import sys
+
+    too_late = []
+    tf_loaded = "tensorflow" in sys.modules
+    for key, value in plan.env.items():
+        if os.environ.get(key) != value:
+            if tf_loaded and key in ("TF_ENABLE_ONEDNN_OPTS", "OMP_NUM_THREADS", "KMP_AFFINITY"):
+                # TensorFlow read these when it loaded; oneDNN may be on by default anyway
+                if not (key == "TF_ENABLE_ONEDNN_OPTS" and _onednn_active() == (value == "1")):
+                    too_late.append(f"{key}={value}")
+            os.environ[key] = value
+    if plan.cpu_affinity and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, plan.cpu_affinity)
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(plan.intra_op_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(plan.inter_op_threads)
+    except RuntimeError:
+        too_late.append("intra/inter-op threads")
+    if plan.visible_gpu is not None:
+        gpus = tf.config.list_physical_devices("GPU")
+        try:
+            tf.config.set_visible_devices(gpus[plan.visible_gpu], "GPU")
+            tf.config.experimental.set_memory_growth(gpus[plan.visible_gpu], True)
+        except RuntimeError:
+            too_late.append("visible GPU / memory growth")
+    if too_late:
+        log.warning("tfdist tuning: TensorFlow had already started, so these settings did not take "
+                    "effect: %s. Create HorovodStrategy before running any TensorFlow op, and set "
+                    "environment variables before importing tensorflow (e.g. in the job script).",
+                    ", ".join(too_late))
+    return too_late
+
+
+def _onednn_active():
+    """Whether the loaded TensorFlow runs oneDNN kernels (on by default on some CPUs only)."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def _read(path, default):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def _count_gpus():
+    import tensorflow as tf
+
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def _is_openmp_build():
+    import tensorflow as tf
+
+    lib_dir = os.path.dirname(tf.__file__)
+    return bool(glob.glob(os.path.join(lib_dir, "**", "libiomp5*"), recursive=True))
+
+
+def _ranges(cpus):
+    if not cpus:
+        return "unpinned"
+    spans, start = [], cpus[0]
+    for prev, cur in zip(cpus, list(cpus[1:]) + [None]):
+        if cur != prev + 1:
+            spans.append(f"{start}-{prev}" if prev != start else str(start))
+            start = cur
+    return ",".join(spans)
