@@ -16,6 +16,7 @@ from callbacks.lr_schedule import (
     scale_learning_rate,
     step_decay,
 )
+from callbacks.profiling import ProfileSteps
 from callbacks.skipped_records import SkippedRecordsReport
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "LARS",
     "LearningRateLogger",
     "LearningRateWarmup",
+    "ProfileSteps",
     "SkippedRecordsReport",
     "WarmupSchedule",
     "accumulate_gradients",

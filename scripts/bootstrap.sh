@@ -45,7 +45,7 @@ pip_quiet install -q --upgrade pip wheel 'setuptools<81' packaging
 
 log "installing tensorflow-cpu $TF_VERSION, tf-keras, test tools"
 pip_quiet install -q "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" tensorboard \
-  numpy pytest scikit-learn cloudpickle psutil pyyaml
+  numpy pytest scikit-learn cloudpickle psutil pyyaml "tensorboard-plugin-profile==2.24.2"
 
 PYVER=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 WHEEL_DIR=$CACHE/wheels/horovod-$HOROVOD_VERSION-tf$TF_VERSION-$PYVER

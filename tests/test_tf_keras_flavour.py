@@ -9,7 +9,7 @@ import sys
 
 from conftest import ROOT
 
-FLAVOUR_AGNOSTIC = ["tests/test_lr_schedule.py", "tests/test_lars.py"]
+FLAVOUR_AGNOSTIC = ["tests/test_lr_schedule.py", "tests/test_lars.py", "tests/test_profiling.py"]
 
 
 def test_unit_tests_pass_under_tf_keras():
