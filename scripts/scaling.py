@@ -1,0 +1,74 @@
+"""Run scripts/benchmark.py for several configurations side by side and tabulate them.
+
+    python scripts/scaling.py --ranks 1 2 --modes none tfdist horovod --repeats 3 \\
+        --global_batch 16 -- --model resnet50 --num_batches 6
+
+Every configuration runs once per repeat, in alternating order, so a noisy shared machine
+affects all of them alike. Each (mode, ranks) keeps the same global batch (per-replica batch =
+global / ranks). Writes a markdown table (median, min, max images/s, and efficiency against the
+1-rank run of the same mode) and a JSON file with every run.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def run_one(mode, ranks, global_batch, extra, out_json):
+    """One benchmark run; `mode` is a --variable_update value, optionally ':tf_keras' or ':keras3'."""
+    mode, _, flavour = mode.partition(":")
+    flavour_args = ["--keras", flavour] if flavour else []
+    bench = [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--variable_update", mode, *flavour_args,
+             "--batch_size", str(global_batch // ranks), "--json", out_json, *extra]
+    command = bench if mode == "none" else [os.path.join(BIN, "horovodrun"), "-np", str(ranks), "--gloo", *bench]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    with open(out_json) as f:
+        return json.load(f)["total_images_per_sec"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", nargs="+", default=["none", "tfdist", "horovod"],
+                        help="--variable_update values, optionally with a Keras flavour: tfdist:tf_keras")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--global_batch", type=int, default=32)
+    parser.add_argument("--out", default="scaling")
+    parser.add_argument("extra", nargs="*", help="after --: arguments for benchmark.py")
+    args = parser.parse_args()
+    configs = [(m, r) for m in args.modes for r in args.ranks if not (m.startswith("none") and r > 1)]
+    runs = {f"{m}/{r}": [] for m, r in configs}
+    scratch = tempfile.mkdtemp(prefix="tfdist-scaling-")
+    for repeat in range(args.repeats):
+        order = configs if repeat % 2 == 0 else configs[::-1]
+        for mode, ranks in order:
+            rate = run_one(mode, ranks, args.global_batch, args.extra, os.path.join(scratch, "r.json"))
+            runs[f"{mode}/{ranks}"].append(rate)
+            print(f"repeat {repeat + 1}: {mode:8s} {ranks} rank(s): {rate:8.2f} images/s", flush=True)
+    lines = ["| mode | ranks | global batch | median images/s | min | max | vs 1 rank of this mode |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, ranks in configs:
+        rates = runs[f"{mode}/{ranks}"]
+        base = runs.get(f"{mode}/1")
+        ratio = f"{statistics.median(rates) / statistics.median(base):.2f}x" if base else "-"
+        lines.append(f"| {mode} | {ranks} | {args.global_batch} | {statistics.median(rates):.2f} | "
+                     f"{min(rates):.2f} | {max(rates):.2f} | {ratio} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    with open(f"{args.out}.md", "w") as f:
+        f.write(table + "\n")
+    with open(f"{args.out}.json", "w") as f:
+        json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "runs": runs, "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
