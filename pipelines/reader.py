@@ -245,7 +245,7 @@ def explain_record(source, path, index):
 def read_dataset(source, batch_size, *, input_context=None, training=True, map_fn=None,
                  augment_fn=None, shuffle_buffer=10_000, seed=0, cache=None, interleave_cycle=None,
                  deterministic=None, private_threads=None, ram_budget_mb=None, prefetch=True,
-                 skip_corrupt=False):
+                 skip_corrupt=False, initial_epoch=0):
     """The tf.data pipeline of one input pipeline (rank) and its `ShardPlan`.
 
     Args:
@@ -257,6 +257,10 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         training: shuffle files and records (seeded, different every epoch), repeat with
             `plan.steps_per_epoch` batches per epoch, drop the last partial batch. False:
             evaluation order, one pass, nothing dropped.
+        seed, initial_epoch: epoch e shuffles with a seed derived from (seed, e), so its order
+            does not depend on how many epochs this process ran before: a run resumed with
+            `initial_epoch=e` (e.g. `callbacks.Checkpointer(...).initial_epoch()`) reads what an
+            uninterrupted run reads in epoch e (exactly, with `deterministic=True`).
         map_fn: applied to each parsed example (deterministic work: decode, cast), in parallel,
             before the cache.
         augment_fn: applied after the cache and the shuffle (random per-epoch work: crops,
@@ -289,25 +293,40 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         tf.constant([s[1] for s in plan.segments], tf.int64),
         tf.constant([s[2] for s in plan.segments], tf.int64),
     ))
-    if training and len(plan.segments) > 1:
-        segments = segments.shuffle(len(plan.segments), seed=seed, reshuffle_each_iteration=True)
     cycle = interleave_cycle or min(len(plan.segments), 8)
-    ds = segments.interleave(
-        lambda i, path, start, count: _checked_records(i, path, start, count, parse_block, feature_names, skipped),
-        cycle_length=max(cycle, 1), num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=not training if deterministic is None else deterministic,
-    )
-    if map_fn is not None:
-        ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
-    if cache is not None:
-        ds = ds.cache("" if cache == "memory" else cache)
-    if training:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    if augment_fn is not None:
-        ds = ds.map(augment_fn, num_parallel_calls=tf.data.AUTOTUNE)
-    ds = ds.batch(batch_size, drop_remainder=training)
-    if training:
-        ds = ds.take(plan.steps_per_epoch).repeat()  # same step count on every rank, every epoch
+
+    def records(segments):
+        ds = segments.interleave(
+            lambda i, path, start, count: _checked_records(i, path, start, count, parse_block, feature_names, skipped),
+            cycle_length=max(cycle, 1), num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=not training if deterministic is None else deterministic,
+        )
+        return ds if map_fn is None else ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
+
+    def batches(ds):
+        if augment_fn is not None:
+            ds = ds.map(augment_fn, num_parallel_calls=tf.data.AUTOTUNE)
+        return ds.batch(batch_size, drop_remainder=training)
+
+    if not training:
+        ds = records(segments)
+        ds = batches(ds if cache is None else ds.cache("" if cache == "memory" else cache))
+    else:
+        cached = None if cache is None else records(segments).cache("" if cache == "memory" else cache)
+
+        def one_epoch(epoch):
+            epoch_seed = _epoch_seed(seed, epoch)
+            if cached is not None:  # file order was fixed when the cache filled
+                ds = cached
+            else:
+                shuffled = segments.shuffle(len(plan.segments), seed=epoch_seed) if len(plan.segments) > 1 else segments
+                ds = records(shuffled)
+            ds = ds.shuffle(shuffle_buffer, seed=epoch_seed)
+            return batches(ds).take(plan.steps_per_epoch)  # same step count on every rank, every epoch
+
+        # Epochs counted from initial_epoch, each shuffled by its own number (see `seed` above).
+        epochs = tf.data.Dataset.counter(int(initial_epoch)) if plan.steps_per_epoch else tf.data.Dataset.range(0)
+        ds = epochs.flat_map(one_epoch)
     if prefetch:
         ds = ds.prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
@@ -318,6 +337,13 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
     if ram_budget_mb:
         options.autotune.ram_budget = int(ram_budget_mb) << 20
     return ds.with_options(options), plan
+
+
+def _epoch_seed(seed, epoch):
+    """The shuffle seed of `epoch` (None: unseeded, a different order every run)."""
+    if seed is None:
+        return None
+    return tf.constant(int(seed), tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)
 
 
 def _check_files(manifest, plan):
