@@ -1,0 +1,358 @@
+"""Checkpoint and resume: the chief saves atomically every N epochs; every rank resumes from it.
+
+```python
+import tfdist
+from callbacks import Checkpointer
+from pipelines import read_dataset
+
+strategy = tfdist.HorovodStrategy()
+checkpointer = Checkpointer("/scratch/run1/checkpoints", save_every_epochs=1, keep=2)
+start = checkpointer.initial_epoch()          # 0, or the epoch after the latest good checkpoint
+ds, plan = read_dataset("/scratch/ds", 64, training=True, seed=1, initial_epoch=start)
+model.fit(ds, epochs=90, steps_per_epoch=plan.steps_per_epoch, callbacks=[checkpointer])
+```
+
+Run the same command again after a crash: `fit` restores the model weights, the optimizer
+variables (its step counter, hence any learning-rate schedule's position, and its slots) and
+continues with the epoch after the checkpoint, like Keras' `BackupAndRestore`.
+
+A checkpoint is a directory `ckpt-<epoch>` holding `state.npz` (every model and optimizer
+variable, by position) and `complete.json` (epoch, optimizer step, ranks, time, the state file's
+size and SHA-256). The chief writes it into a `.tmp-*` directory beside it, fsyncs, writes the
+marker last and renames the directory into place, so a crash while saving leaves only a `.tmp-*`
+directory and the previous checkpoint stays the latest good one. A `ckpt-*` directory whose
+marker is missing or corrupt, or whose state file does not match the marker, is skipped (a
+warning names it) in favour of the next older one.
+
+Only the chief (rank 0) touches the directory: it picks the checkpoint, reads it and broadcasts
+every value, so the other ranks need not see the files (multi-host jobs without a shared file
+system) and all ranks end up bit-identical to the file. A restarted job needs rank 0 on a host
+that can read the directory.
+"""
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+from callbacks._keras import Callback
+from tfdist import collectives
+from tfdist.errors import HorovodNotAvailableError, TfdistError
+
+log = logging.getLogger("tfdist")
+
+STATE_FILE = "state.npz"
+MARKER_FILE = "complete.json"
+_NAME = re.compile(r"ckpt-(\d+)")
+
+
+class CheckpointError(TfdistError):
+    """A checkpoint cannot be restored into this model (different variables), or saving failed."""
+
+
+# --- the directory: atomic writes, validation, pruning ----------------------------------------
+
+def checkpoint_problem(path, verify_data=True):
+    """Why checkpoint directory `path` is unusable (a sentence), or None when it is good."""
+    marker_path = os.path.join(path, MARKER_FILE)
+    try:
+        with open(marker_path) as f:
+            marker = json.load(f)
+        epoch, files = int(marker["epoch"]), marker["files"]
+    except FileNotFoundError:
+        return f"no {MARKER_FILE} (the save did not finish)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MARKER_FILE} is corrupt ({type(e).__name__}: {e})"
+    named = _NAME.fullmatch(os.path.basename(path))
+    if named and int(named[1]) != epoch:
+        return f"{MARKER_FILE} says epoch {epoch}, the directory name says {int(named[1])}"
+    for name, expected in files.items():
+        file_path = os.path.join(path, name)
+        if not os.path.exists(file_path):
+            return f"{name} is missing"
+        size = os.path.getsize(file_path)
+        if size != expected["bytes"]:
+            return f"{name} has {size} bytes, the marker says {expected['bytes']}"
+        if verify_data and _sha256(file_path) != expected["sha256"]:
+            return f"{name} does not match the SHA-256 in {MARKER_FILE}"
+    return None
+
+
+def latest_checkpoint(directory):
+    """The newest good checkpoint in `directory` as (path, marker dict), or None.
+
+    Newer directories that are unfinished or damaged are skipped with a warning naming them.
+    """
+    if not os.path.isdir(directory):
+        return None
+    for entry in sorted(os.listdir(directory)):
+        if entry.startswith(".tmp-"):
+            log.warning("tfdist checkpoint: ignoring %s: an unfinished save", os.path.join(directory, entry))
+    for path in reversed(_checkpoint_dirs(directory)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            with open(os.path.join(path, MARKER_FILE)) as f:
+                return path, json.load(f)
+        log.warning("tfdist checkpoint: ignoring %s: %s", path, problem)
+    return None
+
+
+def write_checkpoint(directory, epoch, arrays, info):
+    """Write `arrays` (name -> numpy array) as checkpoint `ckpt-<epoch>`, atomically; its path.
+
+    `info` (JSON-able) goes into the marker beside `epoch` and the state file's checksum.
+    """
+    os.makedirs(directory, exist_ok=True)
+    name = f"ckpt-{epoch:06d}"
+    scratch = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=directory)
+    state_path = os.path.join(scratch, STATE_FILE)
+    with open(state_path, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    marker = {**info, "epoch": int(epoch), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+              "files": {STATE_FILE: {"bytes": os.path.getsize(state_path), "sha256": _sha256(state_path)}}}
+    with open(os.path.join(scratch, MARKER_FILE), "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(scratch)
+    final = os.path.join(directory, name)
+    if os.path.exists(final):  # a damaged leftover (resume always starts after the newest good one)
+        stale = tempfile.mkdtemp(prefix=f".tmp-stale-{name}-", dir=directory)
+        os.rename(final, os.path.join(stale, name))
+        shutil.rmtree(stale)
+    os.rename(scratch, final)
+    _fsync_dir(directory)
+    return final
+
+
+def prune_checkpoints(directory, keep):
+    """Delete all but the newest `keep` finished checkpoints, and unfinished `.tmp-*` saves."""
+    finished = [p for p in _checkpoint_dirs(directory) if checkpoint_problem(p, verify_data=False) is None]
+    for path in finished[:-keep] if keep else []:
+        shutil.rmtree(path, ignore_errors=True)
+    for entry in os.listdir(directory):
+        if entry.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+
+
+def _checkpoint_dirs(directory):
+    found = [(int(m[1]), e) for e in os.listdir(directory) if (m := _NAME.fullmatch(e))]
+    return [os.path.join(directory, e) for _, e in sorted(found)]
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- the model's state ------------------------------------------------------------------------
+
+def training_variables(model):
+    """Every variable a checkpoint holds, in a fixed order: the model's, then the optimizer's.
+
+    The optimizer's include its step counter and slots (momentum, ...); tf-keras keeps a float
+    learning rate outside `variables()`, so it is added (LearningRateWarmup changes it).
+    """
+    variables = list(model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        owned = optimizer.variables
+        owned = list(owned() if callable(owned) else owned)
+        rate = getattr(optimizer, "_learning_rate", None)
+        if isinstance(rate, tf.Variable) and not any(rate is v for v in owned):
+            owned.append(rate)
+        variables += owned
+    return variables
+
+
+def _build_optimizer(model):
+    """Create the optimizer's slots now (Keras builds them lazily), so they can be restored."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or getattr(optimizer, "built", False) or getattr(optimizer, "_built", False):
+        return
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    with strategy.scope():
+        optimizer.build(model.trainable_variables)
+
+
+def _describe(value):
+    return f"{np.dtype(value.dtype).name}{list(value.shape)}"
+
+
+def _incompatibility(variables, arrays, path):
+    if len(variables) != len(arrays):
+        return (f"checkpoint {path} holds {len(arrays)} variables, the model and optimizer have "
+                f"{len(variables)}: it was saved from a different model or optimizer")
+    for i, (variable, saved) in enumerate(zip(variables, arrays)):
+        mine = np.asarray(variable)
+        if mine.shape != saved.shape or mine.dtype != saved.dtype:
+            return (f"checkpoint {path}: variable #{i} ({getattr(variable, 'path', variable.name)}) "
+                    f"is {_describe(mine)} here but {_describe(saved)} in the checkpoint")
+    return None
+
+
+# --- ranks --------------------------------------------------------------------------------------
+
+def _topology(strategy):
+    if strategy is not None:
+        return strategy.rank, strategy.size
+    try:
+        hvd = collectives.horovod()
+    except HorovodNotAvailableError:
+        return 0, 1
+    return (hvd.rank(), hvd.size()) if hvd.is_initialized() else (0, 1)
+
+
+def _broadcast_json(value, rank, size, name):
+    """The chief's JSON-able `value`, on every rank."""
+    if size == 1:
+        return value
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if rank == 0 else np.zeros(0, np.uint8)
+    length = collectives.broadcast(tf.constant([data.size], tf.int64), 0, name=f"{name}.len")
+    buffer = data if rank == 0 else np.zeros(int(length.numpy()[0]), np.uint8)
+    received = collectives.broadcast(tf.constant(buffer), 0, name=f"{name}.data")
+    return json.loads(received.numpy().tobytes())
+
+
+class _ResumeCounters:
+    """What tf-keras' fit asks for the epoch and step to start at (BackupAndRestore's hook)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
+        return self.epoch, 0
+
+
+# --- the callback -------------------------------------------------------------------------------
+
+class Checkpointer(Callback):
+    """Save on the chief every `save_every_epochs` epochs (and after the last); resume on every rank.
+
+    Args:
+        directory: where checkpoints go (`ckpt-<epoch>` directories); the chief creates it.
+        strategy: a `tfdist.HorovodStrategy` for the rank and size; default: Horovod's own
+            (if initialised), else one process.
+        save_every_epochs: save after every N-th epoch (and after the last epoch of `fit`).
+        keep: how many finished checkpoints to keep (older ones are deleted after a save).
+
+    Every rank must call `initial_epoch()` (if at all) and `fit` together: restoring is a
+    collective. Put `LearningRateWarmup` before this callback in the list, so it reads its
+    target rate before the checkpoint's (mid-warmup) rate is restored.
+    """
+
+    def __init__(self, directory, strategy=None, save_every_epochs=1, keep=2):
+        super().__init__()
+        if save_every_epochs < 1 or keep < 1:
+            raise ValueError(f"save_every_epochs={save_every_epochs}, keep={keep}: both must be >= 1")
+        self.directory = os.fspath(directory)
+        self.save_every_epochs = int(save_every_epochs)
+        self.keep = int(keep)
+        self.strategy = strategy
+        self.restored_from = None  # the checkpoint the last fit resumed from (chief: path)
+        self._choice = None
+        self._arrays = None
+
+    @property
+    def _rank_size(self):
+        return _topology(self.strategy)
+
+    def initial_epoch(self):
+        """The epoch `fit` will start at: 0, or the one after the latest good checkpoint.
+
+        The chief decides and tells the other ranks, so all agree. Pass it to the input
+        pipeline (`read_dataset(..., initial_epoch=...)`) so the resumed epochs read what they
+        would have read without the interruption.
+        """
+        return self._choose()["epoch"]
+
+    def _choose(self):
+        if self._choice is None:
+            rank, size = self._rank_size
+            choice = {"epoch": 0, "path": None, "error": None}
+            if rank == 0:
+                try:
+                    found = latest_checkpoint(self.directory)
+                    if found is not None:
+                        path, marker = found
+                        with np.load(os.path.join(path, STATE_FILE)) as state:
+                            self._arrays = [state[k] for k in sorted(state.files)]
+                        choice.update(epoch=int(marker["epoch"]), path=path, step=marker.get("step"))
+                except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
+                    choice["error"] = f"reading checkpoints in {self.directory} failed: {type(e).__name__}: {e}"
+            self._choice = _broadcast_json(choice, rank, size, "tfdist.ckpt.choice")
+        if self._choice["error"]:
+            raise CheckpointError(self._choice["error"])
+        return self._choice
+
+    def on_train_begin(self, logs=None):
+        choice, arrays = self._choose(), self._arrays
+        self._choice = self._arrays = None  # a later fit decides afresh
+        self.restored_from = choice["path"]
+        if choice["path"] is None:
+            log.info("tfdist checkpoint: none in %s; starting from scratch", self.directory)
+            return
+        rank, size = self._rank_size
+        _build_optimizer(self.model)
+        variables = training_variables(self.model)
+        problem = _incompatibility(variables, arrays, choice["path"]) if rank == 0 else None
+        problem = _broadcast_json(problem, rank, size, "tfdist.ckpt.check")
+        if problem:
+            raise CheckpointError(problem)
+        for i, variable in enumerate(variables):
+            value = arrays[i] if rank == 0 else np.asarray(variable)
+            if size > 1:
+                value = collectives.broadcast(tf.constant(value), 0, name=f"tfdist.ckpt.{i}")
+            variable.assign(value)
+        if hasattr(self.model, "_maybe_load_initial_counters_from_ckpt"):  # tf-keras
+            self.model._training_state = _ResumeCounters(choice["epoch"])
+        else:  # Keras 3
+            self.model._initial_epoch = choice["epoch"]
+        log.warning("tfdist checkpoint: rank %d resumed from %s (optimizer step %s); continuing at epoch %d",
+                    rank, choice["path"], choice.get("step"), choice["epoch"])
+
+    def on_epoch_end(self, epoch, logs=None):
+        done = epoch + 1
+        if done % self.save_every_epochs and done != self.params.get("epochs"):
+            return
+        if self._rank_size[0] == 0:
+            self.save(done)
+
+    def save(self, epoch):
+        """Write checkpoint `ckpt-<epoch>` (`epoch` epochs finished) now, then prune; chief only."""
+        variables = training_variables(self.model)
+        arrays = {f"v{i:05d}": np.asarray(v) for i, v in enumerate(variables)}
+        optimizer = getattr(self.model, "optimizer", None)
+        step = int(np.asarray(optimizer.iterations)) if optimizer is not None else None
+        path = write_checkpoint(self.directory, epoch, arrays,
+                                {"step": step, "ranks": self._rank_size[1], "variables": len(variables)})
+        prune_checkpoints(self.directory, self.keep)
+        log.info("tfdist checkpoint: saved %s", path)
+        return path
+
+    def on_train_end(self, logs=None):
+        # Resuming applies to the fit that restored; a later fit on this model starts as asked.
+        if isinstance(getattr(self.model, "_training_state", None), _ResumeCounters):
+            self.model._training_state = None
+        elif self.restored_from is not None and hasattr(self.model, "_initial_epoch"):
+            self.model._initial_epoch = None
