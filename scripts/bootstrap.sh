@@ -30,6 +30,7 @@ command -v "$PYTHON" >/dev/null || need_apt+=(python3 python3-venv python3-dev)
 command -v g++ >/dev/null || need_apt+=(g++)
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v make >/dev/null || need_apt+=(make)
+command -v ip >/dev/null || need_apt+=(iproute2)  # the two-host network-namespace test
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing system packages: ${need_apt[*]}"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
@@ -45,7 +46,7 @@ pip_quiet install -q --upgrade pip wheel 'setuptools<81' packaging
 
 log "installing tensorflow-cpu $TF_VERSION, tf-keras, test tools"
 pip_quiet install -q "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" tensorboard \
-  numpy pytest scikit-learn cloudpickle psutil pyyaml "tensorboard-plugin-profile==2.24.2"
+  numpy pytest scikit-learn matplotlib cloudpickle psutil pyyaml "tensorboard-plugin-profile==2.24.2"
 
 PYVER=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 WHEEL_DIR=$CACHE/wheels/horovod-$HOROVOD_VERSION-tf$TF_VERSION-$PYVER

@@ -6,7 +6,9 @@
 Every configuration runs once per repeat, in alternating order, so a noisy shared machine
 affects all of them alike. Each (mode, ranks) keeps the same global batch (per-replica batch =
 global / ranks). Writes a markdown table (median, min, max images/s, and efficiency against the
-1-rank run of the same mode) and a JSON file with every run.
+1-rank run of the same mode), a PNG plot (median with min-max bars per mode, against ranks) and
+a JSON file with every run. Modes tfdist, horovod and mwms run under horovodrun (mwms derives
+its TF_CONFIG from it); none runs as one plain process.
 """
 
 import argparse
@@ -68,6 +70,35 @@ def main():
     with open(f"{args.out}.json", "w") as f:
         json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "runs": runs, "args": vars(args)}, f, indent=1)
+    plot(runs, configs, args, f"{args.out}.png")
+
+
+def plot(runs, configs, args, path):
+    """Median images/s per mode against ranks, min-max as error bars."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no PNG plot: matplotlib is not installed (scripts/bootstrap.sh installs it)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in dict.fromkeys(m for m, _ in configs):
+        ranks = [r for m, r in configs if m == mode]
+        rates = [runs[f"{mode}/{r}"] for r in ranks]
+        medians = [statistics.median(x) for x in rates]
+        errors = [[m - min(x) for m, x in zip(medians, rates)], [max(x) - m for m, x in zip(medians, rates)]]
+        ax.errorbar(ranks, medians, yerr=errors, marker="o", capsize=4, label=mode)
+    ax.set_xlabel("ranks (processes)")
+    ax.set_ylabel("images/s (median, min-max)")
+    ax.set_xticks(sorted({r for _, r in configs}))
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"global batch {args.global_batch}, {args.repeats} repeats", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import BIN, ROOT
@@ -12,25 +13,69 @@ from conftest import BIN, ROOT
 pytestmark = pytest.mark.multirank
 TINY = ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10", "--batch_size", "4",
         "--num_warmup_batches", "1", "--num_batches", "4", "--display_every", "2"]
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
 
 
-def bench(args, np=None, tmp_path=None):
-    command = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), *TINY, *args]
+def script(name, args, np=None):
+    command = [sys.executable, str(ROOT / "scripts" / name), *map(str, args)]
     if np:
         command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", *command]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
 
-@pytest.mark.parametrize("mode,np", [("none", None), ("tfdist", 2), ("horovod", 2)])
+@pytest.mark.parametrize("mode,np", [("none", None), ("tfdist", 2), ("horovod", 2), ("mwms", 2)])
 def test_benchmark_modes_report_like_tf_cnn_benchmarks(tmp_path, mode, np):
     result = tmp_path / "r.json"
-    out = bench(["--variable_update", mode, "--json", str(result)], np=np)
+    out = script("benchmark.py", [*TINY, "--variable_update", mode, "--json", result], np=np)
     assert f"Mode: {mode}  ranks: {np or 1}" in out and "Warm-up batches (excluded): 1" in out
     assert len(re.findall(r"images/sec: [\d.]+ \+/- [\d.]+ \(jitter = [\d.]+\)", out)) == 2
     assert re.search(r"total images/sec: [\d.]+", out)
     data = json.loads(result.read_text())
     assert len(data["step_seconds"]) == 5 and data["global_batch"] == 4 * (np or 1)
     assert data["total_images_per_sec"] > 0
+
+
+def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path):
+    script("make_digits_dataset.py", [tmp_path / "digits", "--size", "16"])
+    result = tmp_path / "acc.json"
+    out = script("benchmark.py", ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10",
+                                  "--batch_size", "32", "--data_dir", tmp_path / "digits" / "train",
+                                  "--eval_dir", tmp_path / "digits" / "test", "--epochs", "3",
+                                  "--target_accuracy", "0.2", "--display_every", "10", "--json", result], np=2)
+    assert "final test accuracy:" in out and "epoch 1: test accuracy" in out
+    data = json.loads(result.read_text())
+    epochs = data["epochs"]
+    assert 1 <= len(epochs) <= 3 and data["final_test_accuracy"] == epochs[-1]["test_accuracy"]
+    for e in epochs:  # global over all 360 test digits (both ranks' halves), not one rank's
+        assert e["test_accuracy"] * 360 == pytest.approx(round(e["test_accuracy"] * 360), abs=1e-3)
+    reached = [e for e in epochs if e["test_accuracy"] >= 0.2]
+    assert data["seconds_to_target"] == (round(reached[0]["seconds"], 1) if reached else None)
+    assert len(data["step_seconds"]) == len(epochs) * (1437 // 2 // 32)  # every training step timed
+
+
+def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):
+    out = script("scaling.py", ["--ranks", "1", "2", "--modes", "none", "mwms", "--repeats", "1",
+                                "--global_batch", "8", "--out", tmp_path / "s", "--", *TINY])
+    table = (tmp_path / "s.md").read_text()
+    assert [line.split("|")[1:3] for line in table.splitlines()[2:]] == [
+        [" none ", " 1 "], [" mwms ", " 1 "], [" mwms ", " 2 "]]
+    runs = json.loads((tmp_path / "s.json").read_text())["runs"]
+    assert sorted(runs) == ["mwms/1", "mwms/2", "none/1"] and all(len(r) == 1 for r in runs.values())
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plot:" in out
+
+
+def test_resnet50_v15_has_the_reference_parameter_count():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from models import build_model
+
+    from tfdist.keras_flavour import keras_module
+
+    model = build_model(keras_module(), "resnet50_v1.5", 224, 1000)
+    # 25,557,032 trainable: the published ResNet50 v1.5 count (torchvision's resnet50 too; no conv
+    # biases, which keras.applications' v1 has); plus BatchNorm's moving mean and variance
+    trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert trainable == 25_557_032 and model.count_params() == trainable + 2 * 26_560
+    strides = {layer.name: layer.strides for layer in model.layers[1].layers if "_conv" in layer.name}
+    assert strides["conv3_block1_2_conv"] == (2, 2) and strides["conv3_block1_1_conv"] == (1, 1)
