@@ -1,0 +1,52 @@
+"""Train a tiny model under whatever launcher started this process, and record what Horovod saw.
+
+    SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=2 ... python tests/multirank/launch_checks.py --out DIR
+    tfdist-run -np 2 python tests/multirank/launch_checks.py --out DIR
+    python tests/multirank/launch_checks.py --out DIR --reference     # 1 process, batch x 2
+
+Each rank writes DIR/rank<R>.json with its topology, the HOROVOD_* variables it ran with and the
+final weights; tests/test_launch.py compares the ranks with each other and with the reference.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_results  # noqa: E402
+from train_checks import PER_RANK_BATCH, RANKS, STEPS, build_model, loss_fn, make_data, rank_slice  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist.keras_flavour import keras_module  # noqa: E402
+
+keras = keras_module()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args()
+    strategy = tfdist.HorovodStrategy(tuning=False)
+    hvd = tfdist.collectives.horovod()
+    rank, size = strategy.rank, strategy.size
+    batch = PER_RANK_BATCH * (RANKS if args.reference else 1)
+    x, y = make_data("dense", PER_RANK_BATCH * RANKS * STEPS)
+    with strategy.scope():
+        model = build_model("dense", seed=100 + rank)  # ranks start different; the broadcast aligns them
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss_fn())
+    if not args.reference:
+        x, y = rank_slice(x, rank, size, batch), rank_slice(y, rank, size, batch)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    write_results(args.out, rank, {
+        "topology": {"rank": rank, "size": size, "local_rank": hvd.local_rank(),
+                     "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
+                     "cross_size": hvd.cross_size()},
+        "horovod_env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_", "NCCL_"))},
+        "steps": int(model.optimizer.iterations.numpy()),
+        "final": [w.tolist() for w in model.get_weights()],
+    })
+
+
+if __name__ == "__main__":
+    main()

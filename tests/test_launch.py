@@ -1,0 +1,414 @@
+"""Launch layer: Slurm environment parsing, the Gloo rendezvous, srun-style jobs (loopback and two
+network namespaces), tfdist-run, and the sbatch templates."""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import BIN, ROOT, JobFailed, _tail, run_job
+from tfdist import launch, rendezvous, run
+from tfdist.launch import LaunchError
+
+WORKER = ROOT / "tests" / "multirank" / "launch_checks.py"
+JOB_TIMEOUT = 240
+
+
+def slurm_env(rank, ntasks, nodelist, local_id, node_id, tasks_per_node=None, **extra):
+    env = {"SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_NTASKS": str(ntasks),
+           "SLURM_LOCALID": str(local_id), "SLURM_NODEID": str(node_id), "SLURM_JOB_NODELIST": nodelist,
+           "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+    if tasks_per_node is not None:
+        env["SLURM_TASKS_PER_NODE"] = tasks_per_node
+    env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------- Slurm environment (no processes)
+
+@pytest.mark.parametrize("text, expected", [
+    ("node01", ["node01"]),
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("a[8-10]", ["a8", "a9", "a10"]),
+    ("r[1-2]-n[08-09]", ["r1-n08", "r1-n09", "r2-n08", "r2-n09"]),
+    ("x,y[001-002],z.dom", ["x", "y001", "y002", "z.dom"]),
+])
+def test_nodelist_expansion(text, expected):
+    assert launch.expand_nodelist(text) == expected
+
+
+@pytest.mark.parametrize("text", ["node[01-", "node[3-1]", "node[a-b]", "n]1"])
+def test_bad_nodelist_names_the_list(text):
+    with pytest.raises(LaunchError, match=re.escape(repr(text))):
+        launch.expand_nodelist(text)
+
+
+def test_tasks_per_node_expansion():
+    assert launch.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert launch.expand_tasks_per_node("4") == [4]
+    with pytest.raises(LaunchError, match="2x3"):
+        launch.expand_tasks_per_node("2x3")
+
+
+def all_topologies(ntasks, nodelist, tasks_per_node, placement):
+    """Topology of every task; placement[rank] = (node, local id) as Slurm would give them."""
+    return [launch.slurm_topology(slurm_env(r, ntasks, nodelist, local, node, tasks_per_node))
+            for r, (node, local) in enumerate(placement)]
+
+
+def test_block_placement_two_nodes_two_tasks_each():
+    topos = all_topologies(4, "gpu[01-02]", "2(x2)", [(0, 0), (0, 1), (1, 0), (1, 1)])
+    assert [(t.rank, t.local_rank, t.local_size, t.cross_rank, t.cross_size, t.hostname) for t in topos] == [
+        (0, 0, 2, 0, 2, "gpu01"), (1, 1, 2, 0, 2, "gpu01"), (2, 0, 2, 1, 2, "gpu02"), (3, 1, 2, 1, 2, "gpu02")]
+
+
+def test_cyclic_placement_and_uneven_nodes():
+    # 5 tasks cyclic over 3 nodes with 2,2,1 tasks: ranks 0,3 | 1,4 | 2
+    topos = all_topologies(5, "n[1-3]", "2(x2),1", [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1)])
+    facts = {t.rank: (t.hostname, t.local_rank, t.local_size, t.cross_rank, t.cross_size) for t in topos}
+    assert facts == {0: ("n1", 0, 2, 0, 3), 1: ("n2", 0, 2, 1, 3), 2: ("n3", 0, 1, 2, 3),
+                     3: ("n1", 1, 2, 0, 2), 4: ("n2", 1, 2, 1, 2)}
+
+
+def test_even_split_without_tasks_per_node():
+    topo = launch.slurm_topology(slurm_env(5, 6, "c[1-3]", 1, 2))
+    assert (topo.local_size, topo.cross_rank, topo.cross_size, topo.tasks_per_node) == (2, 2, 3, (2, 2, 2))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"SLURM_PROCID": "2"}, "SLURM_PROCID=2 is not below SLURM_STEP_NUM_TASKS=2"),
+    ({"SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3"}, "do not divide evenly.*SLURM_TASKS_PER_NODE is not set"),
+    ({"SLURM_TASKS_PER_NODE": "1(x3)"}, "SLURM_TASKS_PER_NODE='1\\(x3\\)' gives 3 nodes"),
+    ({"SLURM_TASKS_PER_NODE": "2,1"}, "adds up to 3 tasks"),
+    ({"SLURM_NODEID": "2"}, "SLURM_NODEID=2 is not a node index"),
+    ({"SLURM_LOCALID": "1"}, "SLURM_LOCALID=1 is not below the 1 tasks of node b"),
+    ({"SLURM_LOCALID": "x"}, "SLURM_LOCALID='x' is not an integer"),
+    ({"SLURM_JOB_NODELIST": "a,a"}, "names a node twice"),
+])
+def test_inconsistent_slurm_env_names_the_variable(change, message):
+    env = {**slurm_env(1, 2, "a,b", 0, 1), **change}
+    with pytest.raises(LaunchError, match=message):
+        launch.slurm_topology(env)
+
+
+def test_missing_variables_are_named():
+    env = slurm_env(0, 2, "a", 0, 0)
+    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+        del env[name]
+    with pytest.raises(LaunchError, match="SLURM_NTASKS is not"):
+        launch.slurm_topology(env)
+    with pytest.raises(LaunchError, match="neither TFDIST_RENDEZVOUS_PORT nor SLURM_JOB_ID"):
+        launch.rendezvous_port({})
+
+
+def test_launcher_detection():
+    srun_task = slurm_env(0, 2, "a", 0, 0)
+    assert launch.detect_launcher(srun_task) == "slurm"
+    assert launch.detect_launcher({**srun_task, "HOROVOD_RANK": "0"}) == "horovodrun"
+    assert launch.detect_launcher({**srun_task, "PMI_RANK": "0"}, mpi_built=True) == "mpi"
+    assert launch.detect_launcher({**srun_task, "PMI_RANK": "0"}, mpi_built=False) == "slurm"
+    assert launch.detect_launcher({**srun_task, "TFDIST_LAUNCHER": "none"}) == "none"
+    batch_script = {k: v for k, v in srun_task.items() if k != "SLURM_STEP_NUM_TASKS"}
+    assert launch.detect_launcher(batch_script) == "none"   # the sbatch script itself: 1 process
+    with pytest.raises(LaunchError, match="TFDIST_LAUNCHER='mpich'"):
+        launch.detect_launcher({"TFDIST_LAUNCHER": "mpich"})
+    with pytest.raises(LaunchError, match="OMPI_COMM_WORLD_SIZE=4.*without MPI"):
+        launch.prepare(mpi_built=False, env={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"})
+
+
+def test_port_is_deterministic_per_job_step_and_overridable():
+    a = launch.rendezvous_port({"SLURM_JOB_ID": "981", "SLURM_STEP_ID": "0"})
+    assert a == launch.rendezvous_port({"SLURM_JOB_ID": "981", "SLURM_STEP_ID": "0"})
+    assert 20000 <= a < 30000
+    assert a != launch.rendezvous_port({"SLURM_JOB_ID": "981", "SLURM_STEP_ID": "1"})
+    assert launch.rendezvous_port({"TFDIST_RENDEZVOUS_PORT": "31000", "SLURM_JOB_ID": "1"}) == 31000
+    with pytest.raises(LaunchError, match="TFDIST_RENDEZVOUS_PORT=70000"):
+        launch.rendezvous_port({"TFDIST_RENDEZVOUS_PORT": "70000"})
+
+
+def test_single_node_env_for_horovod():
+    env = slurm_env(1, 2, "localhost", 1, 0, TFDIST_RENDEZVOUS_PORT="1")  # 1 task would skip all this
+    topo = launch.slurm_topology(env)
+    out = launch.horovod_env(topo, "127.0.0.1", 1234, "lo")
+    assert out == {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1",
+                   "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
+                   "HOROVOD_HOSTNAME": "localhost", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+                   "HOROVOD_GLOO_RENDEZVOUS_PORT": "1234", "HOROVOD_CONTROLLER": "gloo",
+                   "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "lo"}
+    assert launch.interface_towards("127.0.0.1") == "lo"
+
+
+def test_multi_node_first_node_on_loopback_is_refused():
+    topo = launch.slurm_topology(slurm_env(1, 2, "localhost,other", 0, 1))
+    with pytest.raises(LaunchError, match="'localhost' resolves to the loopback address 127.0.0.1"):
+        launch.rendezvous_address(topo, {})
+
+
+def test_multi_node_host_whose_name_is_loopback_is_refused(monkeypatch):
+    monkeypatch.setattr(launch.socket, "gethostname", lambda: "localhost")
+    with pytest.raises(LaunchError, match="'localhost' resolves to the loopback address 127.0.0.1.*whatever "
+                                          "HOROVOD_GLOO_IFACE says"):
+        launch.check_own_hostname()
+
+
+# ---------------------------------------------------------------- rendezvous (in-process, no Horovod)
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_rendezvous_fails_naming_address_and_port():
+    port = free_port()
+    topo = launch.slurm_topology(slurm_env(1, 2, "localhost", 1, 0))
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=f"task 1 on localhost could not reach the rendezvous server at "
+                                          f"127.0.0.1:{port}.*within 1.5 s"):
+        rendezvous.check_in(topo, "127.0.0.1", port, "4242.0", timeout=1.5)
+    assert time.monotonic() - start < 10
+
+
+def test_missing_task_is_named_by_the_server():
+    port = free_port()
+    topo = launch.slurm_topology(slurm_env(0, 3, "localhost", 0, 0))
+    server = rendezvous.RendezvousServer(topo, port, "4242.0")
+    try:
+        with pytest.raises(LaunchError, match=f"rendezvous at 127.0.0.1:{port}.*task\\(s\\) 1, 2 of 3 "
+                                              "have not arrived"):
+            rendezvous.check_in(topo, "127.0.0.1", port, "4242.0", timeout=1.0, server=server)
+        # a server of another job on the port is recognised, not joined
+        other = launch.slurm_topology(slurm_env(1, 3, "localhost", 1, 0))
+        with pytest.raises(LaunchError, match="belongs to another job \\(4242.0, this is 99.0\\)"):
+            rendezvous.check_in(other, "127.0.0.1", port, "99.0", timeout=5)
+        # the same port twice: a clear bind error
+        with pytest.raises(LaunchError, match=f"cannot start the rendezvous server on port {port}"):
+            rendezvous.RendezvousServer(topo, port, "4242.0")
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------- real srun-style jobs
+
+def run_tasks(envs, out_dir, prefixes=None, timeout=JOB_TIMEOUT):
+    """Start one plain python process per env (no horovodrun), wait for all; {rank: results}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, extra in enumerate(envs):
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **extra}
+        command = [*(prefixes[i] if prefixes else []), sys.executable, str(WORKER), "--out", str(out_dir)]
+        log = open(out_dir / f"task{i}.log", "w")
+        procs.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True), log))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise JobFailed(f"srun-style job timed out after {timeout}s\n{logs(out_dir)}")
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+    codes = [proc.returncode for proc, _ in procs]
+    if any(codes):
+        raise JobFailed(f"srun-style tasks exited with {codes}\n{logs(out_dir)}")
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))}
+
+
+def logs(out_dir):
+    return "\n".join(f"--- {p.name}\n{_tail(p.read_text(), 30)}" for p in sorted(out_dir.glob("task*.log")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_job([WORKER, "--reference"], tmp_path_factory.mktemp("launch_ref"), np=None)[0]
+
+
+def assert_trained_alike(ranks, reference):
+    assert sorted(ranks) == [0, 1]
+    assert ranks[0]["final"] == ranks[1]["final"]  # bit-identical across ranks
+    assert ranks[0]["steps"] == reference["steps"] > 0
+    for a, b in zip(ranks[0]["final"], reference["final"]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multirank
+def test_srun_style_two_tasks_on_loopback(tmp_path, reference):
+    port = str(free_port())
+    envs = [slurm_env(r, 2, "localhost", r, 0, "2", TFDIST_RENDEZVOUS_PORT=port) for r in (0, 1)]
+    ranks = run_tasks(envs, tmp_path)
+    assert_trained_alike(ranks, reference)
+    for r in (0, 1):
+        assert ranks[r]["topology"] == {"rank": r, "size": 2, "local_rank": r, "local_size": 2,
+                                        "cross_rank": 0, "cross_size": 1}
+        assert ranks[r]["horovod_env"]["HOROVOD_GLOO_RENDEZVOUS_PORT"] == port
+        assert ranks[r]["horovod_env"]["HOROVOD_GLOO_IFACE"] == "lo"
+
+
+class NetworkNamespaces:
+    """Two hosts on this machine: namespaces A and B joined by a veth pair, 10.77.0.1 and 10.77.0.2."""
+
+    def __init__(self):
+        tag = f"{os.getpid() % 100000}"
+        self.names = (f"tfdA{tag}", f"tfdB{tag}")
+        self.links = (f"tva{tag}", f"tvb{tag}")
+        self.addresses = ("10.77.0.1", "10.77.0.2")
+        self.created = []
+
+    def ip(self, *args):
+        result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+        if result.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
+
+    def create(self):
+        for ns in self.names:
+            self.created.append(ns)
+            self.ip("netns", "add", ns)
+        self.ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+        for ns, link, addr in zip(self.names, self.links, self.addresses):
+            # `ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts: inside each namespace
+            # this machine's name resolves to that namespace's address, as a node's name does.
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+            self.ip("link", "set", link, "netns", ns)
+            self.ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
+            self.ip("-n", ns, "link", "set", "lo", "up")
+            self.ip("-n", ns, "link", "set", link, "up")
+
+    def remove(self):
+        for ns in self.created:  # deleting a namespace deletes its end of the veth pair, and the pair
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir("/etc/netns")  # only if no other namespace has files there
+        self.created = []
+
+
+@pytest.fixture
+def two_hosts():
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (this test runs as uid %d)" % os.geteuid())
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    hosts = NetworkNamespaces()
+    try:
+        hosts.create()
+    except (RuntimeError, OSError) as e:
+        hosts.remove()
+        pytest.skip(f"cannot create network namespaces here: {e}")
+    try:
+        yield hosts
+    finally:
+        hosts.remove()
+
+
+@pytest.mark.multirank
+def test_two_hosts_in_network_namespaces(tmp_path, two_hosts, reference):
+    port = str(free_port())
+    envs = [slurm_env(r, 2, "hosta,hostb", 0, r, "1(x2)", TFDIST_RENDEZVOUS_ADDR=two_hosts.addresses[0],
+                      TFDIST_RENDEZVOUS_PORT=port) for r in (0, 1)]
+    prefixes = [["ip", "netns", "exec", ns] for ns in two_hosts.names]
+    ranks = run_tasks(envs, tmp_path, prefixes)
+    assert_trained_alike(ranks, reference)
+    for r in (0, 1):
+        assert ranks[r]["topology"] == {"rank": r, "size": 2, "local_rank": 0, "local_size": 1,
+                                        "cross_rank": r, "cross_size": 2}
+        env = ranks[r]["horovod_env"]
+        assert env["HOROVOD_HOSTNAME"] == ("hosta", "hostb")[r]
+        assert env["HOROVOD_GLOO_IFACE"] == two_hosts.links[r]  # the veth, not loopback
+        assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.77.0.1"
+
+
+def test_network_namespaces_are_removed_after_use():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    hosts = NetworkNamespaces()
+    try:
+        hosts.create()
+    except RuntimeError as e:
+        hosts.remove()
+        pytest.skip(f"cannot create network namespaces here: {e}")
+    hosts.remove()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in hosts.names)
+    assert not any(os.path.exists(f"/etc/netns/{ns}") for ns in hosts.names)
+    assert not any(link in links for link in hosts.links)
+
+
+# ---------------------------------------------------------------- tfdist-run
+
+def test_tfdist_run_builds_each_launchers_command(monkeypatch):
+    py = sys.executable
+    hvd = str(BIN / "horovodrun")
+    assert run.build_command("horovodrun", ["python", "t.py", "--x"], np=2) == [hvd, "-np", "2", "--gloo", py, "t.py", "--x"]
+    assert run.build_command("horovodrun", ["python3", "t.py"], hosts="a:2,b:2") == [
+        hvd, "-np", "4", "--gloo", "-H", "a:2,b:2", py, "t.py"]
+    mpi = run.build_command("mpirun", ["python", "t.py"], np=4, hosts="a:2,b:2", env={"PATH": "/bin"})
+    assert mpi[1:] == ["-np", "4", "-H", "a:2,b:2", "-bind-to", "none", "-map-by", "slot", "-x", "PATH", py, "t.py"]
+    assert os.path.basename(mpi[0]) == "mpirun"
+    srun = run.build_command("srun", ["python", "t.py"], np=8, hosts="n1:4,n2:4", extra=["--cpus-per-task=2"])
+    assert srun[1:] == ["--ntasks=8", "--nodelist=n1,n2", "--ntasks-per-node=4", "--kill-on-bad-exit=1",
+                        "--cpus-per-task=2", py, "t.py"]
+    with pytest.raises(run.UsageError, match="-np is required"):
+        run.build_command("horovodrun", ["python", "t.py"])
+    with pytest.raises(run.UsageError, match="-H 'a:x'"):
+        run.build_command("srun", ["t.py"], hosts="a:x")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert run.resolve_launcher("auto") == "horovodrun"
+
+
+def tfdist_run(*args, timeout=JOB_TIMEOUT, env=None):
+    job_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **(env or {})}
+    job_env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.Popen([str(BIN / "tfdist-run"), *map(str, args)], cwd=ROOT, env=job_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise JobFailed(f"tfdist-run {' '.join(map(str, args))} timed out after {timeout}s")
+    return proc.returncode, out, err
+
+
+def test_tfdist_run_dry_run_prints_the_command():
+    code, out, _ = tfdist_run("--dry-run", "-np", 2, "python", "train.py", "--epochs", 3)
+    assert code == 0
+    assert out.strip() == f"{BIN / 'horovodrun'} -np 2 --gloo {sys.executable} train.py --epochs 3"
+    code, out, _ = tfdist_run("--dry-run", "--launcher", "srun", "-np", 4, "python", "train.py")
+    assert code == 0 and out.split()[1:] == ["--ntasks=4", "--kill-on-bad-exit=1", sys.executable, "train.py"]
+
+
+def test_tfdist_run_mpirun_without_mpi_is_refused():
+    from tfdist import collectives
+    if collectives.horovod().mpi_built():
+        pytest.skip("this Horovod has MPI")
+    code, out, err = tfdist_run("--launcher", "mpirun", "-np", 2, "python", "train.py")
+    assert code == 2 and out == ""
+    assert "--launcher mpirun: this Horovod was built without MPI" in err
+
+
+@pytest.mark.multirank
+def test_tfdist_run_launches_a_real_two_rank_job(tmp_path, reference):
+    code, out, err = tfdist_run("-np", 2, "python", WORKER, "--out", tmp_path)
+    assert code == 0, _tail(out + err)
+    assert f"tfdist-run: horovodrun: {BIN / 'horovodrun'} -np 2 --gloo {sys.executable}" in err
+    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert_trained_alike(ranks, reference)
+    # the exit status of the job is passed through
+    code, _, _ = tfdist_run("-np", 2, "python", "-c", "import sys; sys.exit(3)")
+    assert code != 0

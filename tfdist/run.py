@@ -1,0 +1,146 @@
+"""`tfdist-run`: one command line for horovodrun (Gloo), mpirun and Slurm's srun.
+
+```bash
+tfdist-run -np 2 python train.py --epochs 3                 # horovodrun -np 2 --gloo ...
+tfdist-run -np 8 -H node1:4,node2:4 python train.py         # two hosts over ssh, Gloo
+tfdist-run --launcher mpirun -np 4 python train.py          # needs Horovod built with MPI
+tfdist-run -np 8 python train.py                            # inside a Slurm allocation: srun
+tfdist-run --dry-run -np 2 python train.py                  # print the command, run nothing
+```
+
+`--launcher auto` (the default) picks srun inside a Slurm allocation (`SLURM_JOB_ID` set and
+`srun` on the PATH), else horovodrun. A leading `python`/`python3` becomes this interpreter
+(`sys.executable`), so the ranks run in the environment tfdist is installed in. The launched
+command is printed first (stderr), and its exit status is tfdist-run's.
+"""
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+
+LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
+
+
+class UsageError(Exception):
+    """A tfdist-run command line that cannot be launched (printed without a traceback)."""
+
+
+def parse_hosts(hosts):
+    """'node1:2,node2:2' -> [('node1', 2), ('node2', 2)]; a host without ':N' has 1 slot."""
+    parsed = []
+    for item in hosts.split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and not slots.isdigit()) or slots == "0":
+            raise UsageError(f"-H {hosts!r}: expected host[:slots],host[:slots],... at {item!r}")
+        parsed.append((name, int(slots or 1)))
+    return parsed
+
+
+def resolve_launcher(launcher, env=None):
+    env = os.environ if env is None else env
+    if launcher != "auto":
+        return launcher
+    return "srun" if env.get("SLURM_JOB_ID") and shutil.which("srun") else "horovodrun"
+
+
+def _tool(name):
+    """The launcher next to this interpreter, else on the PATH, else its bare name (checked later)."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.access(beside, os.X_OK) else (shutil.which(name) or name)
+
+
+def build_command(launcher, command, np=None, hosts=None, extra=(), env=None):
+    """The argv that launches `command` on `np` ranks with `launcher` (horovodrun, mpirun, srun)."""
+    env = os.environ if env is None else env
+    if not command:
+        raise UsageError("no command to launch (e.g. tfdist-run -np 2 python train.py)")
+    command = list(command)
+    if command[0] in ("python", "python3"):
+        command[0] = sys.executable
+    host_slots = parse_hosts(hosts) if hosts else None
+    if np is None and host_slots:
+        np = sum(slots for _, slots in host_slots)
+    if np is not None and np < 1:
+        raise UsageError(f"-np {np}: need at least 1 rank")
+    if launcher == "horovodrun":
+        if np is None:
+            raise UsageError("-np is required with horovodrun (or give -H host:slots,...)")
+        argv = [_tool("horovodrun"), "-np", str(np), "--gloo"]
+        if hosts:
+            argv += ["-H", ",".join(f"{h}:{s}" for h, s in host_slots)]
+    elif launcher == "mpirun":
+        if np is None:
+            raise UsageError("-np is required with mpirun (or give -H host:slots,...)")
+        argv = [_tool("mpirun"), "-np", str(np)]
+        if hosts:
+            argv += ["-H", ",".join(f"{h}:{s}" for h, s in host_slots)]
+        argv += ["-bind-to", "none", "-map-by", "slot"]
+        for name in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH"):
+            if name in env:
+                argv += ["-x", name]
+    elif launcher == "srun":
+        argv = [_tool("srun")]
+        if np is not None:
+            argv += [f"--ntasks={np}"]
+        if host_slots:
+            argv += [f"--nodelist={','.join(h for h, _ in host_slots)}"]
+            slots = {s for _, s in host_slots}
+            if len(slots) == 1:
+                argv += [f"--ntasks-per-node={slots.pop()}"]
+        argv += ["--kill-on-bad-exit=1"]
+    else:
+        raise UsageError(f"--launcher {launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+    return argv + list(extra) + command
+
+
+def horovod_has_mpi():
+    """Whether this Horovod was built with MPI (imports horovod.tensorflow, hence TensorFlow)."""
+    import horovod.tensorflow as hvd
+
+    return bool(hvd.mpi_built())
+
+
+NO_MPI = ("this Horovod was built without MPI (`horovodrun -cb` lists no MPI), so mpirun would start "
+          "processes that each train alone. Use the default launcher (horovodrun --gloo) or srun, or "
+          "install an MPI (e.g. libopenmpi-dev) and rebuild Horovod with scripts/bootstrap.sh.")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="tfdist-run", description="Launch a tfdist training script on several ranks.",
+        usage="tfdist-run [-np N] [-H host:slots,...] [--launcher auto|horovodrun|mpirun|srun] "
+              "[--dry-run] command [args ...]")
+    parser.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
+    parser.add_argument("-H", "--hosts", help="host:slots,... (default: this host)")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="auto")
+    parser.add_argument("--launcher-args", default="", help="extra arguments for the launcher, one string")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    try:
+        launcher = resolve_launcher(args.launcher)
+        argv_out = build_command(launcher, args.command, args.np, args.hosts,
+                                 shlex.split(args.launcher_args))
+        if launcher == "mpirun" and not horovod_has_mpi():
+            if not args.dry_run:
+                raise UsageError(f"--launcher mpirun: {NO_MPI}")
+            print(f"tfdist-run: warning: {NO_MPI}", file=sys.stderr)
+    except UsageError as e:
+        print(f"tfdist-run: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(shlex.join(argv_out))
+        return 0
+    if not os.path.isabs(argv_out[0]):
+        print(f"tfdist-run: error: {argv_out[0]} not found next to {sys.executable} or on the PATH",
+              file=sys.stderr)
+        return 2
+    print(f"tfdist-run: {launcher}: {shlex.join(argv_out)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execv(argv_out[0], argv_out)  # the launcher's exit status becomes ours
+
+
+if __name__ == "__main__":
+    sys.exit(main())
