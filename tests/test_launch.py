@@ -412,3 +412,46 @@ def test_tfdist_run_launches_a_real_two_rank_job(tmp_path, reference):
     # the exit status of the job is passed through
     code, _, _ = tfdist_run("-np", 2, "python", "-c", "import sys; sys.exit(3)")
     assert code != 0
+
+
+# ---------------------------------------------------------------- sbatch templates
+
+SBATCH = {name: ROOT / "scripts" / "slurm" / f"{name}.sbatch" for name in ("gpu_nodes", "cpu_nodes")}
+
+
+def sbatch_options(path):
+    options = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = line[len("#SBATCH "):].strip().partition("=")
+            options[key] = value
+        elif line.strip() and not line.startswith("#"):
+            break  # sbatch stops reading directives at the first command
+    return options
+
+
+@pytest.mark.parametrize("name", sorted(SBATCH))
+def test_sbatch_template_parses_and_asks_for_what_it_says(name):
+    path = SBATCH[name]
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    opts = sbatch_options(path)
+    assert {"--nodes", "--ntasks-per-node", "--cpus-per-task", "--time"} <= set(opts)
+    if name == "gpu_nodes":  # one rank per GPU
+        assert opts["--gres"] == f"gpu:{opts['--ntasks-per-node']}"
+    else:
+        assert "--gres" not in opts
+    text = path.read_text()
+    assert "stage_dataset(sys.argv[1], local_rank=0)" in text and '--ntasks-per-node=1' in text
+    assert re.search(r'^srun --kill-on-bad-exit=1 .*"\$PY" "\$TRAIN"', text, re.M)
+
+
+def test_sbatch_templates_run_commands_that_exist():
+    from pipelines import stage_dataset  # noqa: F401  (the staging step's import)
+    from pipelines.staging import default_local_dir  # noqa: F401
+    assert (ROOT / "scripts" / "benchmark.py").is_file()
+    help_text = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--help"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=120,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    for path in SBATCH.values():
+        used = set(re.findall(r"(--[a-z_]+) ", re.search(r"^args=\((.*)\)$", path.read_text(), re.M).group(1) + " "))
+        assert used and all(option in help_text for option in used | {"--data_dir"}), used

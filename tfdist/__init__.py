@@ -15,6 +15,7 @@ from tfdist.errors import (
     TfdistError,
     XlaNotSupportedError,
 )
+from tfdist.launch import LaunchError
 from tfdist.strategy import HorovodStrategy
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "HorovodStrategy",
     "HorovodNotAvailableError",
+    "LaunchError",
     "RankMismatchError",
     "TfdistError",
     "XlaNotSupportedError",
