@@ -13,6 +13,8 @@ shards per pipeline), so no record is lost or doubled.
 """
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 
@@ -260,7 +262,8 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         seed, initial_epoch: epoch e shuffles with a seed derived from (seed, e), so its order
             does not depend on how many epochs this process ran before: a run resumed with
             `initial_epoch=e` (e.g. `callbacks.Checkpointer(...).initial_epoch()`) reads what an
-            uninterrupted run reads in epoch e (exactly, with `deterministic=True`).
+            uninterrupted run reads in epoch e (exactly, with `deterministic=True`), whatever
+            `tf.random.set_seed` says.
         map_fn: applied to each parsed example (deterministic work: decode, cast), in parallel,
             before the cache.
         augment_fn: applied after the cache and the shuffle (random per-epoch work: crops,
@@ -315,18 +318,19 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         cached = None if cache is None else records(segments).cache("" if cache == "memory" else cache)
 
         def one_epoch(epoch):
-            epoch_seed = _epoch_seed(seed, epoch)
             if cached is not None:  # file order was fixed when the cache filled
                 ds = cached
+            elif len(plan.segments) > 1:
+                ds = records(_shuffle_for_epoch(segments, len(plan.segments), seed, epoch))
             else:
-                shuffled = segments.shuffle(len(plan.segments), seed=epoch_seed) if len(plan.segments) > 1 else segments
-                ds = records(shuffled)
-            ds = ds.shuffle(shuffle_buffer, seed=epoch_seed)
-            return batches(ds).take(plan.steps_per_epoch)  # same step count on every rank, every epoch
+                ds = records(segments)
+            # same step count on every rank, every epoch
+            return _shuffle_for_epoch(ds, shuffle_buffer, seed, epoch).take(plan.steps_per_epoch * batch_size)
 
         # Epochs counted from initial_epoch, each shuffled by its own number (see `seed` above).
+        # augment_fn stays outside the per-epoch part, so its random state runs on across epochs.
         epochs = tf.data.Dataset.counter(int(initial_epoch)) if plan.steps_per_epoch else tf.data.Dataset.range(0)
-        ds = epochs.flat_map(one_epoch)
+        ds = batches(epochs.flat_map(one_epoch))
     if prefetch:
         ds = ds.prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
@@ -336,14 +340,34 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         options.threading.private_threadpool_size = private_threads
     if ram_budget_mb:
         options.autotune.ram_budget = int(ram_budget_mb) << 20
-    return ds.with_options(options), plan
+    ds = ds.with_options(options)
+    ds.manifest_identity = manifest_identity(manifest)  # compared across ranks by tfdist.consistency
+    return ds, plan
 
 
-def _epoch_seed(seed, epoch):
-    """The shuffle seed of `epoch` (None: unseeded, a different order every run)."""
+def manifest_identity(manifest):
+    """(sha256 of the manifest's contents, description): equal iff two ranks read the same dataset."""
+    digest = hashlib.sha256(json.dumps(manifest.to_json(), sort_keys=True).encode()).hexdigest()
+    return digest, (f"{manifest.directory} ({manifest.records} records, {len(manifest.shards)} shards, "
+                    f"manifest sha256 {digest[:12]})")
+
+
+_GRAPH_SEED = 1_234_567
+
+
+def _shuffle_for_epoch(ds, buffer_size, seed, epoch):
+    """`ds.shuffle` seeded by (seed, epoch) only (seed None: unseeded, a new order every run)."""
     if seed is None:
-        return None
-    return tf.constant(int(seed), tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)
+        return ds.shuffle(buffer_size)
+    epoch_seed = tf.constant(int(seed), tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)
+    # tf.data pairs an op seed with the graph's seed, i.e. the user's tf.random.set_seed, and
+    # fails on a tensor op seed when that is 0: pin the graph seed while the op is made.
+    graph = tf.compat.v1.get_default_graph()
+    saved, graph.seed = graph.seed, _GRAPH_SEED
+    try:
+        return ds.shuffle(buffer_size, seed=epoch_seed)
+    finally:
+        graph.seed = saved
 
 
 def _check_files(manifest, plan):

@@ -11,8 +11,10 @@ model.fit(dataset)
 
 from tfdist.errors import (
     HorovodNotAvailableError,
+    NonFiniteLossError,
     RankMismatchError,
     TfdistError,
+    WatchdogError,
     XlaNotSupportedError,
 )
 from tfdist.launch import LaunchError
@@ -24,7 +26,9 @@ __all__ = [
     "HorovodStrategy",
     "HorovodNotAvailableError",
     "LaunchError",
+    "NonFiniteLossError",
     "RankMismatchError",
     "TfdistError",
+    "WatchdogError",
     "XlaNotSupportedError",
 ]

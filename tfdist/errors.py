@@ -15,3 +15,11 @@ class XlaNotSupportedError(TfdistError):
 
 class RankMismatchError(TfdistError):
     """Ranks disagree about something that must be identical (model variables, ...)."""
+
+
+class WatchdogError(TfdistError):
+    """The liveness watchdog could not be set up (e.g. rank 0's address is unreachable)."""
+
+
+class NonFiniteLossError(TfdistError):
+    """The training loss became NaN or infinite (raised by `callbacks.StopOnNonFiniteLoss`)."""

@@ -23,7 +23,8 @@ import tempfile
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, distribute_utils, one_device_strategy
 
-from tfdist import collectives, keras_metrics
+from tfdist import collectives, consistency, keras_metrics
+from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist.errors import RankMismatchError
 
@@ -54,13 +55,26 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             overrides choices (`intra_op_threads`, `inter_op_threads`, `pin`, `onednn`).
         horovod: Horovod knobs set before `hvd.init()` unless already in the environment:
             `fusion_threshold_mb`, `cycle_time_ms`, `timeline` (a file path), `autotune` (bool).
+        watchdog: with more than one rank, a dead or stalled rank makes every other rank exit
+            naming it (`tfdist.watchdog`): True (timeout from `TFDIST_WATCHDOG_TIMEOUT`, default
+            20 s), a number of seconds, or False.
+        check_consistency: compare versions, tfdist's source, the main script and `fingerprint`
+            across ranks now, and the first distributed dataset's batch size, structure and
+            manifest (`tfdist.consistency`); a difference raises `RankMismatchError`.
+        fingerprint: any string that must be equal on every rank (a config hash, a git commit).
     """
 
     def __init__(self, device=None, *, compression=None, op="average", check_variables=True,
-                 precision=None, tuning=True, horovod=None):
+                 precision=None, tuning=True, horovod=None, watchdog=True, check_consistency=True,
+                 fingerprint=None):
         _set_horovod_knobs(horovod or {})
         collectives.init()
         self.tuning_plan = _tune(tuning) if tuning is not False else None
+        # After tuning: these run the first TensorFlow ops, which fix the thread pools.
+        if check_consistency:
+            consistency.check_start(fingerprint)
+        if watchdog is not False:
+            watchdog_lib.start(None if watchdog is True else float(watchdog))
         compression = collectives.compression(compression)
         if op != "average":
             raise ValueError(collectives.adasum_refusal() if op == "adasum" else
@@ -69,7 +83,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
         extended = HorovodExtended(
-            self, device, compression=compression, check_variables=check_variables
+            self, device, compression=compression, check_variables=check_variables,
+            check_datasets=check_consistency,
         )
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
         distribute_lib.Strategy.__init__(self, extended)
@@ -117,8 +132,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
 class HorovodExtended(one_device_strategy.OneDeviceExtended):
     """The strategy's implementation: OneDevice placement plus Horovod collectives."""
 
-    def __init__(self, container_strategy, device, compression=None, check_variables=True):
+    def __init__(self, container_strategy, device, compression=None, check_variables=True,
+                 check_datasets=True):
         super().__init__(container_strategy, device)
+        self._check_next_dataset = check_datasets and collectives.size() > 1
         self._compression = compression
         self._check_variables = check_variables
         self._variable_count = 0
@@ -172,7 +189,14 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
                 "you split the data per rank yourself, else every rank reads the same records)",
                 collectives.rank(),
             )
+        self._check_first_dataset(dataset)
         return super()._experimental_distribute_dataset(dataset, options)
+
+    def _check_first_dataset(self, dataset):
+        # Only the first: later datasets may be chief-only (predict), and a check would then wait.
+        if self._check_next_dataset:
+            self._check_next_dataset = False
+            consistency.check_dataset(dataset)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         from tensorflow.python.distribute import input_util
@@ -182,13 +206,22 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
             input_pipeline_id=collectives.rank(),
             num_replicas_in_sync=collectives.size(),
         )
-        return input_util.get_distributed_datasets_from_function(
-            dataset_fn,
+        built = []
+
+        def dataset_fn_recorded(input_context):
+            built.append(dataset_fn(input_context))
+            return built[-1]
+
+        distributed = input_util.get_distributed_datasets_from_function(
+            dataset_fn_recorded,
             self._input_workers_with_options(options),
             [context],
             self._container_strategy(),
             options=options,
         )
+        if built:
+            self._check_first_dataset(built[0])
+        return distributed
 
     # --- replicas and collectives ----------------------------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):

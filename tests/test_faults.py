@@ -1,0 +1,232 @@
+"""Fault behaviour on real 2-rank jobs: dead and stalled ranks, ranks that disagree, NaN losses.
+
+The dead-rank tests run twice: under `horovodrun` (which itself terminates the siblings of a
+failed process) and as two plain processes with Horovod's Gloo variables set by hand around a
+rendezvous server started here, as under `srun` without --kill-on-bad-exit, where nobody else
+stops the survivors.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BIN, ROOT, flavor_env, run_job
+
+WORKERS = Path(__file__).parent / "multirank"
+WATCHDOG_WORKER = WORKERS / "watchdog_checks.py"
+EXIT_LIMIT_S = 60
+HOST = socket.gethostname()
+
+
+def _job_env(extra=None):
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+            **(extra or {})}
+
+
+def _wait_ready(out, ranks=(0, 1), timeout=180, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [out / f"ready{r}" for r in ranks]
+        if all(f.exists() for f in files):
+            return [int(f.read_text()) for f in files]
+        if any(p.poll() is not None for p in procs):
+            return None
+        time.sleep(0.1)
+    return None
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _wait_exit(pid, timeout):
+    start = time.monotonic()
+    while _alive(pid) and time.monotonic() - start < timeout:
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+class Unsupervised:
+    """NP plain processes joined by Horovod's Gloo rendezvous; nobody kills a survivor."""
+
+    def __init__(self, args, out, np=2, env=None):
+        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+        from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+        from horovod.runner.http.http_server import RendezvousServer
+
+        self.server = RendezvousServer()
+        port = self.server.start()
+        plan = get_host_assignments(parse_hosts(f"localhost:{np}"), np)
+        self.server.init(plan)
+        common = {k: str(v) for k, v in create_run_env_vars("127.0.0.1", ["lo"], port).items()}
+        self.logs = [open(out / f"rank{slot.rank}.log", "w") for slot in plan]
+        self.procs = [
+            subprocess.Popen([sys.executable, *map(str, args), "--out", str(out)], cwd=ROOT,
+                             env=_job_env({**common, **create_slot_env_vars(slot), **(env or {})}),
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            for slot, log in zip(plan, self.logs)
+        ]
+
+    def output(self, rank):
+        self.logs[rank].flush()
+        return Path(self.logs[rank].name).read_text()
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for log in self.logs:
+            log.close()
+        self.server.stop()
+
+
+@pytest.fixture
+def unsupervised(tmp_path):
+    jobs = []
+
+    def start(mode, env=None):
+        job = Unsupervised([WATCHDOG_WORKER, "--mode", mode], tmp_path, env=env)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.close()
+
+
+def _rank0_stopped(job, seconds, what):
+    code = job.procs[0].wait(timeout=5)
+    text = job.output(0)
+    print(f"\nrank 0 exited {seconds:.2f} s after rank 1 {what} (exit code {code}); its message: "
+          + next((l for l in text.splitlines() if "tfdist watchdog" in l), "<none>"))
+    assert code != 0, text[-3000:]
+    assert seconds < EXIT_LIMIT_S
+    assert f"tfdist watchdog: rank 1 (host {HOST}, pid {job.procs[1].pid})" in text, text[-3000:]
+    return text
+
+
+def test_killed_rank_stops_the_survivor_without_a_launcher(unsupervised):
+    job = unsupervised("train")
+    pids = _wait_ready(Path(job.logs[0].name).parent, procs=job.procs)
+    assert pids, job.output(0)[-3000:] + job.output(1)[-3000:]
+    os.kill(pids[1], signal.SIGKILL)
+    seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+    text = _rank0_stopped(job, seconds, "was killed")
+    assert "died: its connection closed without a goodbye" in text
+    assert job.procs[0].returncode == 3
+
+
+def test_rank_raising_stops_the_survivor_without_a_launcher(unsupervised):
+    job = unsupervised("raise")
+    assert _wait_ready(Path(job.logs[0].name).parent, ranks=(1,), procs=job.procs)
+    start = time.monotonic()
+    job.procs[0].wait(timeout=EXIT_LIMIT_S + 10)
+    text = _rank0_stopped(job, time.monotonic() - start, "raised")
+    assert "failed: RuntimeError: injected failure on rank 1 at step 20" in text
+
+
+def test_stalled_rank_is_named_after_the_timeout(unsupervised):
+    job = unsupervised("train", env={"TFDIST_WATCHDOG_TIMEOUT": "5"})
+    pids = _wait_ready(Path(job.logs[0].name).parent, procs=job.procs)
+    assert pids, job.output(0)[-3000:]
+    os.kill(pids[1], signal.SIGSTOP)  # alive but silent, as a hung rank or an unreachable host
+    seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+    text = _rank0_stopped(job, seconds, "was stopped (SIGSTOP)")
+    assert "stopped responding: no heartbeat for" in text
+    assert 4.5 < seconds < 15  # the watchdog's timeout, well before Gloo's own 30 s
+
+
+def test_killed_rank_under_horovodrun_names_rank_and_host(tmp_path):
+    log_path = tmp_path / "job.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "horovodrun"), "-np", "2", "--gloo", sys.executable, str(WATCHDOG_WORKER),
+             "--mode", "train", "--out", str(tmp_path)],
+            cwd=ROOT, env=_job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            pids = _wait_ready(tmp_path, procs=[proc])
+            assert pids, log_path.read_text()[-3000:]
+            os.kill(pids[1], signal.SIGKILL)
+            seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log_path.read_text()
+    print(f"\nunder horovodrun, rank 0 exited {seconds:.2f} s after rank 1 was killed")
+    assert seconds < EXIT_LIMIT_S and proc.returncode != 0
+    assert f"tfdist watchdog: rank 1 (host {HOST}, pid {pids[1]}) died" in text, text[-3000:]
+
+
+def test_ranks_that_finish_at_different_times_exit_cleanly(tmp_path):
+    ranks = run_job([WATCHDOG_WORKER, "--mode", "finish"], tmp_path, np=2, timeout=300)
+    assert ranks[0]["finished"] and ranks[1]["finished"]
+
+
+def test_ranks_that_disagree_stop_naming_the_difference(tmp_path):
+    ranks = run_job([WORKERS / "fault_checks.py", "--checks", "consistency,nonfinite"], tmp_path,
+                    np=2, timeout=300)
+    expected = {
+        "script": ["main script differs", "fault_checks.py (sha256", "changed_script.py (sha256"],
+        "fingerprint": ["fingerprint differs", "'config-a' on rank 0; 'config-b' on rank 1"],
+        "batch": ["per-rank batch size differs across ranks: 8 on rank 0; 16 on rank 1"],
+        "structure": ["element structure", "float32[4]", "on rank 0", "float32[5]", "on rank 1"],
+        "manifest": ["dataset manifest differs", "data_rank0 (40 records", "data_rank1 (41 records"],
+    }
+    for rank in (0, 1):
+        checks = ranks[rank]["consistency"]
+        for name, parts in expected.items():
+            assert checks[name]["error"] == "RankMismatchError", (rank, name, checks[name])
+            for part in parts:
+                assert part in checks[name]["message"], (rank, name, checks[name]["message"])
+        assert checks["agree_arrays"]["error"] is None, checks["agree_arrays"]
+        assert checks["agree_manifest"]["error"] is None, checks["agree_manifest"]
+    _assert_nonfinite(ranks)
+
+
+def test_nan_on_one_rank_stops_both_tf_keras(tmp_path):
+    ranks = run_job([WORKERS / "fault_checks.py", "--checks", "nonfinite"], tmp_path, np=2,
+                    env=flavor_env("tf_keras"), timeout=300)
+    _assert_nonfinite(ranks)
+
+
+def _assert_nonfinite(ranks, bad_step=5):
+    message = f"at epoch 1, batch {bad_step} (step {bad_step} of this fit): local loss non-finite on rank 1"
+    for rank in (0, 1):
+        stop, raised = ranks[rank]["nonfinite"]["stop"], ranks[rank]["nonfinite"]["raise"]
+        assert stop["error"] is None and stop["batches"] == list(range(bad_step + 1)), stop
+        assert stop["report"]["ranks"] == [1] and stop["report"]["step"] == bad_step, stop
+        assert message in stop["message"], stop["message"]
+        assert raised["error"] == "NonFiniteLossError" and message in raised["message"], raised
+        assert raised["batches"] == list(range(bad_step)), raised
+
+
+def test_nonfinite_loss_on_one_process():
+    from callbacks import StopOnNonFiniteLoss
+    from tfdist.keras_flavour import keras_module
+
+    keras = keras_module()
+    x = np.ones((40, 3), "float32")
+    y = np.ones((40, 1), "float32")
+    y[13] = np.inf  # in batch 3 (4 examples per batch)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    stop = StopOnNonFiniteLoss()
+    history = model.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0, callbacks=[stop])
+    assert stop.report["step"] == 3 and stop.report["ranks"] == [0], stop.report
+    assert len(history.epoch) == 1
+    with pytest.raises(ValueError, match="action"):
+        StopOnNonFiniteLoss(action="ignore")
