@@ -53,8 +53,6 @@ class EpochLog(keras.callbacks.Callback):
 
 def train(strategy, data, ckpt_dir, crash_after=0):
     """Fit 4 epochs with a Checkpointer in `ckpt_dir` (resuming if it holds a checkpoint)."""
-    # tf.data combines the shuffle seed with TF's global seed: set the same one in every run.
-    keras.utils.set_random_seed(5)
     checkpointer = Checkpointer(ckpt_dir, strategy=strategy, keep=2)
     start = checkpointer.initial_epoch()
     plans, batches_seen = [], {}
