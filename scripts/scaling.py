@@ -14,6 +14,7 @@ its TF_CONFIG from it); none runs as one plain process.
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -25,13 +26,17 @@ BIN = os.path.dirname(sys.executable)
 
 
 def run_one(mode, ranks, global_batch, extra, out_json):
-    """One benchmark run; `mode` is a --variable_update value, optionally ':tf_keras' or ':keras3'."""
+    """One benchmark run; `mode` is a --variable_update value, optionally ':tf_keras' or ':keras3',
+    optionally followed by benchmark options of its own: "tfdist --num_inter_threads 2"."""
+    mode, *own_args = shlex.split(mode)
     mode, _, flavour = mode.partition(":")
     flavour_args = ["--keras", flavour] if flavour else []
     bench = [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--variable_update", mode, *flavour_args,
-             "--batch_size", str(global_batch // ranks), "--json", out_json, *extra]
+             "--batch_size", str(global_batch // ranks), "--json", out_json, *extra, *own_args]
     command = bench if mode == "none" else [os.path.join(BIN, "horovodrun"), "-np", str(ranks), "--gloo", *bench]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        sys.exit(f"benchmark failed (exit {done.returncode}): {' '.join(command)}\n{done.stdout[-4000:]}")
     with open(out_json) as f:
         return json.load(f)["total_images_per_sec"]
 
@@ -40,7 +45,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=["none", "tfdist", "horovod"],
-                        help="--variable_update values, optionally with a Keras flavour: tfdist:tf_keras")
+                        help="--variable_update values, optionally with a Keras flavour (tfdist:tf_keras) "
+                             "and options of their own (quoted: 'tfdist --no_tuning')")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--global_batch", type=int, default=32)
     parser.add_argument("--out", default="scaling")
@@ -54,7 +60,7 @@ def main():
         for mode, ranks in order:
             rate = run_one(mode, ranks, args.global_batch, args.extra, os.path.join(scratch, "r.json"))
             runs[f"{mode}/{ranks}"].append(rate)
-            print(f"repeat {repeat + 1}: {mode:8s} {ranks} rank(s): {rate:8.2f} images/s", flush=True)
+            print(f"repeat {repeat + 1}: {mode:24s} {ranks} rank(s): {rate:8.2f} images/s", flush=True)
     lines = ["| mode | ranks | global batch | median images/s | min | max | vs 1 rank of this mode |",
              "|---|---|---|---|---|---|---|"]
     for mode, ranks in configs:
