@@ -51,6 +51,11 @@ PARSER.add_argument("--num_inter_threads", type=int)
 PARSER.add_argument("--variable_update", default="tfdist", choices=["tfdist", "horovod", "mwms", "none"])
 PARSER.add_argument("--keras", default="keras3", choices=["keras3", "tf_keras"])
 PARSER.add_argument("--no_tuning", action="store_true", help="tfdist: HorovodStrategy(tuning=False)")
+PARSER.add_argument("--onednn", choices=["default", "on", "off"], default="default",
+                    help="TF_ENABLE_ONEDNN_OPTS before TensorFlow loads (default: leave it as TF/tuning decide)")
+PARSER.add_argument("--horovod_cycle_time_ms", type=float, help="Horovod's background cycle (tfdist, horovod)")
+PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
+                    "summarise with scripts/profile_summary.py. Those steps run slower: compare profiles, not speeds")
 PARSER.add_argument("--json", help="write the result (every step time) here (rank 0)")
 
 
@@ -116,15 +121,22 @@ def run_keras_fit(args, keras, strategy, rank):
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla,
                       metrics=["accuracy"] if args.epochs else None)
     train, source, plan = distributed_input(args, strategy, training=True)
+    fit_callbacks = [Timing()]
+    if args.profile_dir:
+        from callbacks import ProfileSteps
+
+        first = args.num_warmup_batches
+        fit_callbacks.append(ProfileSteps(args.profile_dir, steps=(first, first + min(3, args.num_batches)),
+                                      batch_size=args.batch_size))
     if not args.epochs:
         steps = args.num_warmup_batches + args.num_batches
-        model.fit(train, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Timing()])
+        model.fit(train, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=fit_callbacks)
         return timer, source, None
     test = distributed_input(args, strategy, training=False)[0] if args.eval_dir else None
     history, start = [], time.perf_counter()
     for epoch in range(args.epochs):
         model.fit(train, steps_per_epoch=plan.steps_per_epoch, initial_epoch=epoch, epochs=epoch + 1,
-                  verbose=0, callbacks=[Timing()])
+                  verbose=0, callbacks=fit_callbacks)
         accuracy = float(model.evaluate(test, verbose=0, return_dict=True)["accuracy"]) if test else None
         history.append({"epoch": epoch + 1, "test_accuracy": accuracy, "seconds": time.perf_counter() - start})
         if rank == 0:
@@ -199,7 +211,8 @@ def start(args):
     if args.variable_update == "tfdist":
         overrides = {k: v for k, v in (("intra_op_threads", args.num_intra_threads),
                                        ("inter_op_threads", args.num_inter_threads)) if v}
-        strategy = tfdist.HorovodStrategy(precision=args.precision,
+        knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
+        strategy = tfdist.HorovodStrategy(precision=args.precision, horovod=knobs,
                                           tuning=False if args.no_tuning else (overrides or True))
         tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
         return keras, strategy, tuning, strategy.size, strategy.rank
@@ -211,6 +224,8 @@ def start(args):
     if args.variable_update == "horovod":
         import horovod.tensorflow as hvd
 
+        if args.horovod_cycle_time_ms:
+            os.environ["HOROVOD_CYCLE_TIME"] = str(args.horovod_cycle_time_ms)
         hvd.init()
         return keras, None, tuning, hvd.size(), hvd.rank()
     if args.variable_update == "mwms":
@@ -237,11 +252,15 @@ def main():
         PARSER.error(f"--epochs (accuracy runs) is for --variable_update tfdist or none, not {args.variable_update}")
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.onednn != "default":
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if args.variable_update == "mwms":
         mwms_tf_config()
 
     import tensorflow as tf
+
+    from tfdist.tuning import onednn_active
 
     keras, strategy, tuning, size, rank = start(args)
     global_batch = args.batch_size * size
@@ -256,7 +275,7 @@ def main():
               f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  "
               f"xla: {args.xla}")
         print(f"Data: {args.data_dir or 'synthetic (one batch made once, no I/O)'}")
-        print(f"Tuning: {tuning}")
+        print(f"Tuning: {tuning}  (oneDNN kernels: {'on' if onednn_active() else 'off'})")
         print(f"Warm-up batches (excluded): {args.num_warmup_batches}, timed batches: "
               f"{f'{args.epochs} epoch(s)' if args.epochs else args.num_batches}", flush=True)
 

@@ -108,6 +108,9 @@ def test_strategy_topology_and_input_contexts(tmp_path_factory):
     a0, a1 = set(f0["tuning"]["cpu_affinity"]), set(f1["tuning"]["cpu_affinity"])
     assert a0 and a1 and not (a0 & a1)
     for f in (f0, f1):
+        # CPU-only: Horovod's cycle was set to 10 ms before hvd.init(), and the plan says why
+        assert f["tuning"]["env"]["HOROVOD_CYCLE_TIME"] == "10"
+        assert any("Horovod cycle 10 ms" in reason for reason in f["tuning"]["reasons"])
         assert f["affinity_now"] == sorted(f["tuning"]["cpu_affinity"])
         assert f["intra_op_now"] == f["tuning"]["intra_op_threads"] >= 1
     for f in (f0, f1):

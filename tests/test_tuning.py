@@ -88,3 +88,18 @@ def test_apply_sets_threads_or_says_it_is_too_late(late):
         assert "intra/inter-op threads" in out.stdout
     else:
         assert "LATE []" in out.stdout and "THREADS 1" in out.stdout
+
+
+def test_cpu_jobs_get_a_slower_horovod_cycle_gpu_jobs_keep_the_default(monkeypatch):
+    from tfdist import tuning
+
+    assert tuning.horovod_defaults(gpus=0)["HOROVOD_CYCLE_TIME"][0] == "10"
+    assert tuning.horovod_defaults(gpus=8) == {}
+    # what the user set wins, and is not reported as tfdist's choice
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3")
+    assert tuning.set_horovod_defaults() == {}
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME")
+    assert tuning.set_horovod_defaults() == {"HOROVOD_CYCLE_TIME": ("10", tuning.horovod_defaults(0)["HOROVOD_CYCLE_TIME"][1])}
+    import os
+
+    assert os.environ["HOROVOD_CYCLE_TIME"] == "10"

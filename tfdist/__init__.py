@@ -18,7 +18,16 @@ from tfdist.errors import (
     XlaNotSupportedError,
 )
 from tfdist.launch import LaunchError
-from tfdist.strategy import HorovodStrategy
+
+
+def __getattr__(name):
+    # HorovodStrategy imports TensorFlow (seconds); `tfdist-run` and the error classes must not wait for it.
+    if name == "HorovodStrategy":
+        from tfdist.strategy import HorovodStrategy
+
+        return HorovodStrategy
+    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -16,6 +16,7 @@ model.fit(x[strategy.rank::strategy.size], y[strategy.rank::strategy.size], batc
 ```
 """
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -26,6 +27,7 @@ from tensorflow.python.distribute import distribute_lib, distribute_utils, one_d
 from tfdist import collectives, consistency, keras_metrics
 from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
+from tfdist import tuning as tuning_lib
 from tfdist.errors import RankMismatchError
 
 log = logging.getLogger("tfdist")
@@ -51,7 +53,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         precision: None (leave Keras' dtype policy alone), "auto" (pick for the hardware, see
             `tfdist.precision.choose_policy`), or a policy name ("mixed_float16", ...).
         tuning: True (default) applies `tfdist.tuning`'s per-rank plan (threads, core pinning,
-            oneDNN/OpenMP, one GPU per local rank); False leaves the process as it is; a dict
+            oneDNN/OpenMP, one GPU per local rank; on CPU-only nodes a 10 ms Horovod cycle unless
+            HOROVOD_CYCLE_TIME or `horovod=` says otherwise); False leaves the process as it is; a dict
             overrides choices (`intra_op_threads`, `inter_op_threads`, `pin`, `onednn`).
         horovod: Horovod knobs set before `hvd.init()` unless already in the environment:
             `fusion_threshold_mb`, `cycle_time_ms`, `timeline` (a file path), `autotune` (bool).
@@ -68,8 +71,9 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
                  precision=None, tuning=True, horovod=None, watchdog=True, check_consistency=True,
                  fingerprint=None):
         _set_horovod_knobs(horovod or {})
+        horovod_defaults = tuning_lib.set_horovod_defaults() if tuning is not False else {}
         collectives.init()
-        self.tuning_plan = _tune(tuning) if tuning is not False else None
+        self.tuning_plan = _tune(tuning, horovod_defaults) if tuning is not False else None
         # After tuning: these run the first TensorFlow ops, which fix the thread pools.
         if check_consistency:
             consistency.check_start(fingerprint)
@@ -313,13 +317,15 @@ def _set_horovod_knobs(knobs):
         os.environ.setdefault(env, convert(value))
 
 
-def _tune(options):
-    from tfdist import tuning
-
+def _tune(options, horovod_defaults):
     overrides = options if isinstance(options, dict) else {}
-    topology = tuning.detect_topology(collectives.local_rank(), collectives.local_size())
-    plan = tuning.make_plan(topology, **overrides)
-    tuning.apply(plan)
+    topology = tuning_lib.detect_topology(collectives.local_rank(), collectives.local_size())
+    plan = tuning_lib.make_plan(topology, **overrides)
+    if horovod_defaults:  # already applied before hvd.init(); listed so the summary says so
+        plan = dataclasses.replace(
+            plan, env={**plan.env, **{k: v for k, (v, _) in horovod_defaults.items()}},
+            reasons=plan.reasons + tuple(reason for _, reason in horovod_defaults.values()))
+    tuning_lib.apply(plan)
     if collectives.rank() == 0:
         print(plan.summary(), flush=True)
     log.info("tfdist tuning (rank %d): %s", collectives.rank(), plan.as_dict())
