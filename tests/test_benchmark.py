@@ -79,3 +79,12 @@ def test_resnet50_v15_has_the_reference_parameter_count():
     assert trainable == 25_557_032 and model.count_params() == trainable + 2 * 26_560
     strides = {layer.name: layer.strides for layer in model.layers[1].layers if "_conv" in layer.name}
     assert strides["conv3_block1_2_conv"] == (2, 2) and strides["conv3_block1_1_conv"] == (1, 1)
+
+
+def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
+    script("benchmark.py", [*TINY, "--variable_update", "none", "--profile_dir", tmp_path / "prof"])
+    out = script("profile_summary.py", [tmp_path / "prof", tmp_path / "prof", "--top", "5"])
+    rows = [line.split("|")[1:-1] for line in out.splitlines()[2:]]
+    assert len(rows) == 6 and rows[-1][0].strip() == "all ops"  # 5 op types, then the total
+    assert any("Conv2D" in row[0] for row in rows[:-1])  # the CNN's convolutions are among the top
+    assert all(row[1] == row[2] for row in rows)  # same profile twice: same numbers side by side

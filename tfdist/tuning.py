@@ -97,7 +97,7 @@ def make_plan(topology, *, intra_op_threads=None, inter_op_threads=None, pin=Tru
 
 
 # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (1 by default) and, over Gloo,
-# exchanges a readiness message with the other ranks each time: measured here, about 35,000
+# exchanges a readiness message with the other ranks each time: measured here, about 3,500
 # context switches a second and 6-8% of a core per idle rank, taken from ranks pinned to few
 # cores. On CPU a training step takes 100s of ms, so a 10 ms cycle costs nothing measurable in
 # latency (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s, docs/PERFORMANCE.md). GPU steps can
