@@ -49,7 +49,10 @@ pip_quiet install -q "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" tenso
   numpy pytest scikit-learn matplotlib cloudpickle psutil pyyaml "tensorboard-plugin-profile==2.24.2"
 
 PYVER=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-WHEEL_DIR=$CACHE/wheels/horovod-$HOROVOD_VERSION-tf$TF_VERSION-$PYVER
+# With MPI on the machine (mpicxx), Horovod is built with MPI too, and cached apart from Gloo-only builds.
+mpi_flag=HOROVOD_WITHOUT_MPI=1 mpi_suffix=
+command -v mpicxx >/dev/null && mpi_flag=HOROVOD_WITH_MPI=1 mpi_suffix=-mpi
+WHEEL_DIR=$CACHE/wheels/horovod-$HOROVOD_VERSION-tf$TF_VERSION-$PYVER$mpi_suffix
 if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   log "building horovod $HOROVOD_VERSION against TF $TF_VERSION (one-off, ~5 min)"
   work=$(mktemp -d)
@@ -60,8 +63,6 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   # xla_mpi_ops.cc does not compile against TF 2.21 headers (XLA moved); Horovod works without it,
   # only its XLA-compiled ops are missing (tfdist detects that and says so).
   sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
-  mpi_flag=HOROVOD_WITHOUT_MPI=1
-  command -v mpicxx >/dev/null && mpi_flag=HOROVOD_WITH_MPI=1
   mkdir -p "$WHEEL_DIR"
   (cd "$src" && export CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
       HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 "$mpi_flag" \
