@@ -125,12 +125,14 @@ def write_checkpoint(directory, epoch, arrays, info):
         os.fsync(f.fileno())
     _fsync_dir(scratch)
     final = os.path.join(directory, name)
-    if os.path.exists(final):  # a damaged leftover (resume always starts after the newest good one)
+    stale = None
+    if os.path.exists(final):  # a leftover of the same epoch: replaced only once the new one is in place
         stale = tempfile.mkdtemp(prefix=f".tmp-stale-{name}-", dir=directory)
         os.rename(final, os.path.join(stale, name))
-        shutil.rmtree(stale)
     os.rename(scratch, final)
     _fsync_dir(directory)
+    if stale is not None:
+        shutil.rmtree(stale)
     return final
 
 
@@ -334,6 +336,11 @@ class Checkpointer(Callback):
     def on_epoch_end(self, epoch, logs=None):
         done = epoch + 1
         if done % self.save_every_epochs and done != self.params.get("epochs"):
+            return
+        loss = (logs or {}).get("loss")
+        if loss is not None and not np.all(np.isfinite(loss)):
+            # e.g. StopOnNonFiniteLoss ended the epoch: keep the last good checkpoint the latest
+            log.warning("tfdist checkpoint: epoch %d ended with loss %s; not saved", done, loss)
             return
         if self._rank_size[0] == 0:
             self.save(done)

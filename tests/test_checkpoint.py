@@ -142,6 +142,21 @@ def test_unit_checkpoint_of_another_model_fails_naming_it(tmp_path):
         other.fit(*make_data(), batch_size=8, epochs=2, verbose=0, callbacks=[Checkpointer(tmp_path)])
 
 
+def test_unit_epoch_with_non_finite_loss_is_not_saved(tmp_path, caplog):
+    from callbacks import StopOnNonFiniteLoss
+
+    model = make_model()
+    x, y = make_data()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Checkpointer(tmp_path)])
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
+        model.fit(np.full_like(x, np.nan), y, batch_size=8, epochs=3, verbose=0,
+                  callbacks=[StopOnNonFiniteLoss(), Checkpointer(tmp_path)])
+    # epoch 3 was the last (always saved) but its loss is NaN: the good epoch-2 checkpoint stays newest
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "ckpt-000002"]
+    assert latest_checkpoint(tmp_path)[0] == str(tmp_path / "ckpt-000002")
+    assert "epoch 3 ended with loss nan; not saved" in caplog.text
+
+
 def test_unit_bad_arguments():
     with pytest.raises(ValueError, match="keep=0"):
         Checkpointer("/tmp/x", keep=0)

@@ -54,6 +54,7 @@ EXIT_CODE = 3  # "stopped because another rank failed"
 # How long a rank whose own collective failed waits for the watchdog's verdict on a peer, so
 # the message names the rank that died rather than the survivor that noticed.
 VERDICT_GRACE_SECONDS = 3.0
+HELLO_SECONDS = 5.0  # how long an accepted connection may take to say which rank it is
 _COLLECTIVE_ERROR_WORDS = ("horovod", "gloo", "connection reset", "timed out waiting")
 _ADDRESS_BYTES = 512
 
@@ -136,10 +137,17 @@ class _Watchdog:
         deadline = time.monotonic() + self.timeout
         while len(self.peers) < self.size - 1:
             listener.settimeout(max(deadline - time.monotonic(), 0.01))
+            sock = None
             try:
                 sock, _ = listener.accept()
-                hello, rest = _read_line(sock, deadline)
+                # A rank sends its hello at once; anything silent for long is not one of ours
+                # (a port scanner, a health check) and must not hold up the others.
+                hello, rest = _read_line(sock, min(deadline, time.monotonic() + HELLO_SECONDS))
+                if not isinstance(hello, dict):
+                    raise ValueError("hello is not a JSON object")
             except (OSError, ValueError, KeyError):
+                if sock is not None:
+                    sock.close()
                 if time.monotonic() < deadline:
                     continue
                 missing = sorted(set(range(1, self.size)) - set(self.peers))
