@@ -170,7 +170,7 @@ def test_unit_tests_pass_under_tf_keras():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "6 passed" in out.stdout
+    assert "7 passed" in out.stdout
 
 
 # --- two ranks under horovodrun: killed after epoch 2 of 4, restarted with the same command ----
