@@ -253,9 +253,12 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
     Args:
         source: dataset directory (with manifest.json), manifest file, a `Manifest`, or a glob
             pattern of TFRecord files without a manifest (records are counted first).
-        batch_size: per-pipeline (per-rank) batch.
-        input_context: a `tf.distribute.InputContext` (from `distribute_datasets_from_function`);
-            default: one pipeline.
+        batch_size: per-pipeline batch: per rank with `input_context`, else the global batch.
+        input_context: a `tf.distribute.InputContext` (from `distribute_datasets_from_function`):
+            this rank's records only, batched per rank; `HorovodStrategy` never splits or
+            shards such a dataset again. Default: one pipeline over every record, with
+            `auto_shard_policy=DATA`, so a strategy's `experimental_distribute_dataset` (or
+            `fit`) splits each global batch across ranks and every record is still read once.
         training: shuffle files and records (seeded, different every epoch), repeat with
             `plan.steps_per_epoch` batches per epoch, drop the last partial batch. False:
             evaluation order, one pass, nothing dropped.
@@ -340,7 +343,11 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         options.threading.private_threadpool_size = private_threads
     if ram_budget_mb:
         options.autotune.ram_budget = int(ram_budget_mb) << 20
+    if input_context is None:
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     ds = ds.with_options(options)
+    if input_context is not None:
+        ds.tfdist_per_rank = True  # split already: tfdist.HorovodStrategy leaves it as it is
     ds.manifest_identity = manifest_identity(manifest)  # compared across ranks by tfdist.consistency
     return ds, plan
 

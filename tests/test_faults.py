@@ -186,7 +186,7 @@ def test_ranks_that_disagree_stop_naming_the_difference(tmp_path):
     expected = {
         "script": ["main script differs", "fault_checks.py (sha256", "changed_script.py (sha256"],
         "fingerprint": ["fingerprint differs", "'config-a' on rank 0; 'config-b' on rank 1"],
-        "batch": ["per-rank batch size differs across ranks: 8 on rank 0; 16 on rank 1"],
+        "batch": ["dataset batch size differs across ranks: 8 on rank 0; 16 on rank 1"],
         "structure": ["element structure", "float32[4]", "on rank 0", "float32[5]", "on rank 1"],
         "manifest": ["dataset manifest differs", "data_rank0 (40 records", "data_rank1 (41 records"],
     }

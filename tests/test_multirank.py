@@ -68,11 +68,21 @@ def test_fp16_compressed_gradients_stay_identical_and_close(keras_flavor, tmp_pa
     assert_weights_close(ranks[0]["fp16_compression"], reference["fp16_compression"], atol=2e-3)
 
 
+def test_per_rank_convention_stays_available(keras_flavor, tmp_path_factory):
+    ranks, reference = train_results(keras_flavor, tmp_path_factory)
+    # batch_convention="per_rank": each rank's slices at batch 8 == 1 process at batch 16
+    assert ranks[0]["per_rank_convention"] == ranks[1]["per_rank_convention"]
+    assert ranks[0]["per_rank_convention"]["steps"] == reference["per_rank_convention"]["steps"] == 5
+    assert_weights_close(ranks[0]["per_rank_convention"]["final"], reference["per_rank_convention"]["final"])
+
+
 def test_reported_metrics_are_global(keras_flavor, tmp_path_factory):
     ranks, _ = train_results(keras_flavor, tmp_path_factory)
     for rank in (0, 1):
         m = ranks[rank]["metrics"]
         assert m["fit_by_hand"]["count"] == 96
+        # 96 examples at global batch 16: 6 steps of 8 on each rank, each example once
+        assert m["fit_steps"] == 6
         for key in ("loss", "accuracy"):
             assert m["history"][key] == pytest.approx(m["fit_by_hand"][key], rel=1e-5)
     assert ranks[0]["metrics"]["history"] == ranks[1]["metrics"]["history"]
@@ -80,7 +90,6 @@ def test_reported_metrics_are_global(keras_flavor, tmp_path_factory):
 
 def test_evaluate_on_uneven_data_is_exact_global(keras_flavor, tmp_path_factory):
     ranks, _ = train_results(keras_flavor, tmp_path_factory)
-    assert [ranks[r]["metrics"]["local_evaluate_count"] for r in (0, 1)] == [20, 33]
     for rank in (0, 1):
         m = ranks[rank]["metrics"]
         assert m["evaluate_by_hand"]["count"] == 53
@@ -89,8 +98,10 @@ def test_evaluate_on_uneven_data_is_exact_global(keras_flavor, tmp_path_factory)
     # global accuracy over 53 records: a multiple of 1/53, and not either rank's local value
     acc = ranks[0]["metrics"]["evaluate"]["accuracy"]
     assert acc * 53 == pytest.approx(round(acc * 53), abs=1e-3)
-    # predict() stays local: each rank gets its own rows
-    assert [ranks[r]["metrics"]["predict_rows"] for r in (0, 1)] == [20, 33]
+    # predict() returns every rank's rows, in input order, as under MultiWorkerMirroredStrategy
+    for rank in (0, 1):
+        assert ranks[rank]["metrics"]["predict_rows"] == 53
+        assert ranks[rank]["metrics"]["predict_max_error"] < 1e-5
 
 
 def test_strategy_topology_and_input_contexts(tmp_path_factory):

@@ -7,11 +7,11 @@ compares, with one allgather of fixed-size hashes:
 - at start: tfdist's version and source, the TensorFlow, Keras, Horovod and Python versions, the
   main script's contents (`sys.argv[0]`) and an optional user fingerprint
   (`HorovodStrategy(fingerprint=...)`, e.g. a config hash or git commit);
-- on the first dataset it distributes: the per-rank batch size, the element structure (shapes
+- on the first dataset it distributes: the batch size (global or per rank, as given), the element structure (shapes
   without the batch dimension, dtypes) and, for `pipelines.read_dataset`, the manifest.
 
 On a difference every rank raises `RankMismatchError` naming the item and each rank's value, e.g.
-`per-rank batch size differs across ranks: 8 on rank 0; 16 on rank 1`. Every rank makes the same
+`dataset batch size differs across ranks: 8 on rank 0; 16 on rank 1`. Every rank makes the same
 collective calls whatever it finds (all ranks see the same gathered hashes), so nothing hangs.
 
 Example:
@@ -46,7 +46,7 @@ def check_start(fingerprint=None):
 
 
 def check_dataset(dataset):
-    """Compare a dataset's per-rank batch size, element structure and manifest across ranks."""
+    """Compare a dataset's batch size, element structure and manifest across ranks."""
     _compare(dataset_items(dataset), "tfdist.consistency.dataset")
 
 
@@ -78,17 +78,17 @@ def start_items(fingerprint=None):
 
 
 def dataset_items(dataset):
-    """The compared properties of a `tf.data.Dataset` (per-rank batch, structure, manifest)."""
+    """The compared properties of a `tf.data.Dataset` (batch size, structure, manifest)."""
     specs = [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
     batch = sorted({str(s.shape[0]) if s.shape.rank else "unbatched" for s in specs})
     structure = tf.nest.map_structure(
         lambda s: f"{s.dtype.name}{list(s.shape)[1:]}" if isinstance(s, tf.TensorSpec) else repr(s),
         dataset.element_spec,
     )
-    manifest = _find_manifest_identity(dataset)
+    manifest = find_dataset_attribute(dataset, "manifest_identity")
     batch_text = ", ".join(batch) + (" (unknown: a partial last batch is kept)" if "None" in batch else "")
     return [
-        ("per-rank batch size", ",".join(batch), batch_text),
+        ("dataset batch size", ",".join(batch), batch_text),
         ("dataset element structure (shapes without the batch dimension, dtypes)",
          str(structure), str(structure)),
         ("dataset manifest", manifest[0] if manifest else "none",
@@ -141,17 +141,17 @@ def _ranks(ranks):
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _find_manifest_identity(dataset, depth=0):
-    """The `manifest_identity` that `pipelines.read_dataset` attaches, searched up the input chain."""
-    identity = getattr(dataset, "manifest_identity", None)
-    if identity is not None or depth > 200:
-        return identity
+def find_dataset_attribute(dataset, name, depth=0):
+    """An attribute that `pipelines.read_dataset` attaches, searched up the input chain (or None)."""
+    value = getattr(dataset, name, None)
+    if value is not None or depth > 200:
+        return value
     try:
         inputs = dataset._inputs()
     except Exception:  # noqa: BLE001 - dataset kinds without inputs
         return None
     for parent in inputs:
-        found = _find_manifest_identity(parent, depth + 1)
+        found = find_dataset_attribute(parent, name, depth + 1)
         if found is not None:
             return found
     return None

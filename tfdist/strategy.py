@@ -1,18 +1,20 @@
 """`HorovodStrategy`: a `tf.distribute.Strategy` with one replica per Horovod process.
 
-Keras (3 and tf-keras) drives it like any other strategy: variables created in its scope start
-from rank 0's values, gradients are summed with one fused Horovod allreduce per step, and the
-loss and metrics Keras reports are global across ranks.
+Keras (3 and tf-keras) and custom training loops drive it like MultiWorkerMirroredStrategy:
+datasets are batched by the global batch and split across ranks, variables (also those created
+lazily inside `strategy.run`) start from rank 0's values, gradients are summed with fused Horovod
+allreduces, and the loss and metrics Keras reports are global across ranks.
 
 Example (run with `horovodrun -np 2 --gloo python train.py`, or plain `python train.py`):
 
 ```python
-import keras, tfdist
+import keras, numpy as np, tfdist
 strategy = tfdist.HorovodStrategy()
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-model.fit(x[strategy.rank::strategy.size], y[strategy.rank::strategy.size], batch_size=32)
+x, y = np.random.rand(256, 4), np.random.rand(256, 1)
+model.fit(x, y, batch_size=32)   # global batch 32: 16 per rank on 2 ranks, each example once
 ```
 """
 
@@ -21,10 +23,11 @@ import logging
 import os
 import tempfile
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, distribute_utils, one_device_strategy
 
-from tfdist import collectives, consistency, keras_metrics
+from tfdist import collectives, consistency, keras_metrics, keras_predict
 from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
@@ -39,6 +42,13 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
     """Data-parallel strategy over Horovod: one replica per process, on this rank's device.
 
     Args:
+        batch_convention: "global" (default, as MultiWorkerMirroredStrategy): a dataset given to
+            `experimental_distribute_dataset` or `fit` is batched by the global batch, and each
+            rank gets its part of every batch (rebatched and auto-sharded by the dataset's
+            `auto_shard_policy`, exactly as MWMS does); `predict` returns every rank's rows.
+            "per_rank" (Horovod's convention, for ported Horovod scripts): each rank's dataset is
+            its own, batched per rank, and used as given. `distribute_datasets_from_function`
+            and `pipelines.read_dataset(input_context=...)` datasets are per rank either way.
         device: device for this rank's replica; default: this rank's local GPU
             (`GPU:<local_rank>` of the visible GPUs) or the CPU.
         compression: gradient compression for the allreduce: None or "none", "fp16" (floating
@@ -67,7 +77,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         fingerprint: any string that must be equal on every rank (a config hash, a git commit).
     """
 
-    def __init__(self, device=None, *, compression=None, op="average", check_variables=True,
+    def __init__(self, device=None, *, batch_convention="global", compression=None, op="average", check_variables=True,
                  precision=None, tuning=True, horovod=None, watchdog=True, check_consistency=True,
                  fingerprint=None):
         _set_horovod_knobs(horovod or {})
@@ -79,6 +89,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             consistency.check_start(fingerprint)
         if watchdog is not False:
             watchdog_lib.start(None if watchdog is True else float(watchdog))
+        _agree_on_tf_seed()
+        if batch_convention not in ("global", "per_rank"):
+            raise ValueError(f"batch_convention={batch_convention!r}: expected 'global' (the "
+                             "tf.distribute contract) or 'per_rank' (Horovod's)")
         compression = collectives.compression(compression)
         if op != "average":
             raise ValueError(collectives.adasum_refusal() if op == "adasum" else
@@ -88,11 +102,12 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
         extended = HorovodExtended(
             self, device, compression=compression, check_variables=check_variables,
-            check_datasets=check_consistency,
+            check_datasets=check_consistency, global_batch=batch_convention == "global",
         )
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
         distribute_lib.Strategy.__init__(self, extended)
         keras_metrics.install()
+        keras_predict.install()
         precision_lib.install()
         if precision is not None:
             precision_lib.set_policy(precision)
@@ -137,64 +152,110 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
     """The strategy's implementation: OneDevice placement plus Horovod collectives."""
 
     def __init__(self, container_strategy, device, compression=None, check_variables=True,
-                 check_datasets=True):
+                 check_datasets=True, global_batch=True):
         super().__init__(container_strategy, device)
         self._check_next_dataset = check_datasets and collectives.size() > 1
         self._compression = compression
         self._check_variables = check_variables
+        self._global_batch = global_batch
         self._variable_count = 0
         self._noted_unsharded = False
+        self._noted_presharded = False
 
     # --- variables -------------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
-        variable = super()._create_variable(next_creator, **kwargs)
         # Replica-local state (metric accumulators) stays local; everything else starts from
-        # rank 0's value, so models built with different seeds are identical.
-        if kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ:
-            self._broadcast_initial_value(variable)
-        return variable
+        # rank 0's value, so models built with different seeds are identical. The broadcast is
+        # part of the initial value (as MWMS does it), so a variable created inside a traced
+        # strategy.run (lazily built layers, optimizer slots) is initialised the same way when
+        # tf.function lifts its initialiser.
+        if collectives.size() > 1 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ:
+            kwargs["initial_value"] = self._broadcast_initial_value(kwargs)
+        return super()._create_variable(next_creator, **kwargs)
 
-    def _broadcast_initial_value(self, variable):
-        if collectives.size() == 1:
-            return
+    def _broadcast_initial_value(self, kwargs):
         index = self._variable_count
         self._variable_count += 1
-        with tf.init_scope():
-            if not tf.executing_eagerly():
-                raise RuntimeError("HorovodStrategy needs TF2 eager execution (tf.compat.v1 graph mode is not supported)")
-            if self._check_variables:
-                self._check_same_variable(variable, index)
-            variable.assign(collectives.broadcast(variable.read_value(), 0, name=f"tfdist.init.{index}"))
+        initial_value, dtype = kwargs["initial_value"], kwargs.get("dtype")
+        name = kwargs.get("name")
 
-    def _check_same_variable(self, variable, index):
-        shape = variable.shape.as_list()
-        if len(shape) > 8 or any(d is None for d in shape):
+        def broadcast_initial_value():
+            value = initial_value() if callable(initial_value) else initial_value
+            value = tf.convert_to_tensor(getattr(value, "wrapped_value", value), dtype=dtype)
+            if self._check_variables:
+                with tf.init_scope():  # shapes and dtypes are static: compare them now, eagerly
+                    self._check_same_variable(value, name, index)
+            return collectives.broadcast(value, 0, name=f"tfdist.init.{index}")
+
+        return broadcast_initial_value
+
+    def _check_same_variable(self, value, name, index):
+        if not tf.executing_eagerly():
+            raise RuntimeError("HorovodStrategy needs TF2 eager execution (tf.compat.v1 graph mode is not supported)")
+        shape = value.shape.as_list() if value.shape.rank is not None else None
+        if shape is None or len(shape) > 8 or any(d is None for d in shape):
             return  # not comparable in a fixed-width row; the broadcast still checks shapes
-        row = collectives.signature([len(shape), variable.dtype.as_datatype_enum, *shape])
+        row = collectives.signature([len(shape), value.dtype.as_datatype_enum, *shape])
         rows = collectives.allgather(tf.constant(row), name=f"tfdist.check.{index}").numpy()
         if (rows == rows[0]).all():
             return
         described = [_describe_signature(r) for r in rows]
         first_bad = next(r for r, d in enumerate(described) if d != described[0])
         raise RankMismatchError(
-            f"ranks built different models: variable #{index} (named {variable.name!r} on rank "
+            f"ranks built different models: variable #{index} (named {name!r} on rank "
             f"{collectives.rank()}) is {described[0]} on rank 0 but {described[first_bad]} on rank "
             f"{first_bad}. Every rank must create the same variables in the same order."
         )
 
     # --- input -----------------------------------------------------------------------------
+    def _input_context(self):
+        size = collectives.size()
+        return distribute_lib.InputContext(
+            num_input_pipelines=size, input_pipeline_id=collectives.rank(), num_replicas_in_sync=size)
+
     def _experimental_distribute_dataset(self, dataset, options):
+        self._check_first_dataset(dataset)
+        if _is_per_rank(dataset) or not self._global_batch or collectives.size() == 1:
+            return self._distribute_per_rank_dataset(dataset, options)
+        return self._distribute_global_dataset(dataset, options)
+
+    def _distribute_per_rank_dataset(self, dataset, options):
         # Horovod convention: each rank iterates its own per-rank batches; nothing is split or
         # sharded here, so an unsharded dataset feeds every rank the same records.
-        if collectives.size() > 1 and not self._noted_unsharded and not _is_sharded(dataset):
+        if (collectives.size() > 1 and not self._noted_unsharded and not _is_per_rank(dataset)
+                and not _is_sharded(dataset)):
             self._noted_unsharded = True
             log.info(
                 "tfdist: rank %d: dataset has no shard(); it is used as given on this rank (fine if "
                 "you split the data per rank yourself, else every rank reads the same records)",
                 collectives.rank(),
             )
-        self._check_first_dataset(dataset)
         return super()._experimental_distribute_dataset(dataset, options)
+
+    def _distribute_global_dataset(self, dataset, options):
+        """As MWMS: split every global batch across ranks (rebatch), then auto-shard."""
+        from tensorflow.python.distribute import input_util
+
+        size = collectives.size()
+        _check_global_batch(dataset, size)
+        policy = dataset.options().experimental_distribute.auto_shard_policy
+        if (not self._noted_presharded and policy != tf.data.experimental.AutoShardPolicy.OFF
+                and _is_sharded(dataset)):
+            self._noted_presharded = True
+            log.warning(
+                "tfdist: rank %d: this dataset already calls shard() and is auto-sharded again "
+                "across %d ranks (each rank reads 1/%d of its shard). If it is split per rank "
+                "already, as in Horovod scripts, use HorovodStrategy(batch_convention='per_rank') "
+                "or set options.experimental_distribute.auto_shard_policy = OFF.",
+                collectives.rank(), size, size)
+        return input_util.get_distributed_dataset(
+            dataset,
+            self._input_workers_with_options(options),
+            self._container_strategy(),
+            num_replicas_in_sync=size,
+            input_context=self._input_context(),
+            options=options,
+        )
 
     def _check_first_dataset(self, dataset):
         # Only the first: later datasets may be chief-only (predict), and a check would then wait.
@@ -205,11 +266,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
     def _distribute_datasets_from_function(self, dataset_fn, options):
         from tensorflow.python.distribute import input_util
 
-        context = distribute_lib.InputContext(
-            num_input_pipelines=collectives.size(),
-            input_pipeline_id=collectives.rank(),
-            num_replicas_in_sync=collectives.size(),
-        )
+        context = self._input_context()
         built = []
 
         def dataset_fn_recorded(input_context):
@@ -287,8 +344,8 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
 
     @property
     def _global_batch_size(self):
-        # Batches handed to fit() are per rank, as with plain Horovod.
-        return False
+        # Whether batches handed to fit() are global (tf.distribute) or per rank (Horovod).
+        return self._global_batch
 
 
 class _HorovodReplicaContext(distribute_lib.ReplicaContext):
@@ -336,6 +393,48 @@ def _describe_signature(row):
     ndim, dtype_enum = int(row[0]), int(row[1])
     shape = tuple(int(d) for d in row[2 : 2 + ndim])
     return f"shape {shape} dtype {tf.dtypes.as_dtype(dtype_enum).name}"
+
+
+def _agree_on_tf_seed():
+    """Give every rank rank 0's TensorFlow seed where the user set none on that rank.
+
+    With the global-batch convention each rank takes its part of every batch, so the ranks'
+    shuffles (e.g. `fit(x, y, shuffle=True)`) must agree, or an epoch would show some examples
+    twice and others never (MWMS asks its users to seed every worker alike for this). A seed the
+    user set is kept.
+    """
+    if collectives.size() == 1:
+        return
+    from tensorflow.python.eager import context
+
+    own = context.global_seed()
+    candidate = own if own is not None else int(np.random.SeedSequence().generate_state(1)[0] >> 1)
+    agreed = int(collectives.broadcast(tf.constant(candidate, tf.int64), 0, name="tfdist.seed").numpy())
+    if own is None:
+        tf.random.set_seed(agreed)
+
+
+def _check_global_batch(dataset, size):
+    """A dataset split across `size` ranks must be batched by a global batch they divide."""
+    specs = [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
+    if specs and all(s.shape.rank == 0 for s in specs):
+        raise ValueError(
+            f"HorovodStrategy cannot split this dataset across {size} ranks: its elements have no "
+            f"batch dimension (element_spec {dataset.element_spec}). Batch it by the global batch "
+            "size, e.g. dataset.batch(per_rank_batch * strategy.num_replicas_in_sync).")
+    from tensorflow.python.data.experimental.ops import distribute as tf_data_distribute
+
+    batch = int(tf_data_distribute.compute_batch_size(dataset))
+    if batch > 0 and batch % size:
+        raise ValueError(
+            f"HorovodStrategy cannot split a global batch of {batch} evenly across {size} ranks: "
+            f"use a global batch size divisible by {size} (e.g. {batch - batch % size or size}), or "
+            "batch per rank with HorovodStrategy(batch_convention='per_rank').")
+
+
+def _is_per_rank(dataset):
+    """Whether tfdist's own reader built this dataset for one rank (`read_dataset(input_context=)`)."""
+    return consistency.find_dataset_attribute(dataset, "tfdist_per_rank") is not None
 
 
 def _is_sharded(dataset):

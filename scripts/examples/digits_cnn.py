@@ -3,8 +3,9 @@
     horovodrun -np 2 --gloo python scripts/examples/digits_cnn.py        # 2 ranks
     python scripts/examples/digits_cnn.py                                # 1 process
 
-Real data with no download (1,797 handwritten digits bundled with scikit-learn). Each rank trains
-on its shard of the training set; the test accuracy printed is global (all ranks' test shards).
+Real data with no download (1,797 handwritten digits bundled with scikit-learn). Written as a
+MirroredStrategy user writes it: every rank loads the same arrays, `fit` takes the global batch
+and the strategy gives each rank its part of every batch. The test accuracy printed is global.
 """
 
 import argparse
@@ -23,12 +24,12 @@ from tfdist.keras_flavour import keras_module  # noqa: E402
 keras = keras_module()
 
 
-def load_shards(rank, size):
+def load_digits_split():
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]  # 8x8x1 in [0, 1]
     y = digits.target.astype("int32")
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    return (x_train[rank::size], y_train[rank::size]), (x_test[rank::size], y_test[rank::size])
+    return (x_train, y_train), (x_test, y_test)
 
 
 def mnist_cnn(num_classes=10):
@@ -50,32 +51,32 @@ def mnist_cnn(num_classes=10):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--batch-size", type=int, default=32, help="per replica (rank)")
     parser.add_argument("--lr", type=float, default=1e-3, help="for one rank; scaled by the rank count")
     parser.add_argument("--out", help="directory for a JSON result per rank")
     args = parser.parse_args()
 
     strategy = tfdist.HorovodStrategy()
-    (x_train, y_train), (x_test, y_test) = load_shards(strategy.rank, strategy.size)
-    keras.utils.set_random_seed(strategy.rank)  # different per rank: dropout masks differ
+    (x_train, y_train), (x_test, y_test) = load_digits_split()
+    global_batch = args.batch_size * strategy.num_replicas_in_sync
 
     with strategy.scope():
         model = mnist_cnn()
         model.compile(
-            optimizer=keras.optimizers.Adam(args.lr * strategy.size),
+            optimizer=keras.optimizers.Adam(args.lr * strategy.num_replicas_in_sync),
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
     verbose = 2 if strategy.is_chief else 0
-    model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=verbose)
+    model.fit(x_train, y_train, batch_size=global_batch, epochs=args.epochs, verbose=verbose)
     result = model.evaluate(x_test, y_test, batch_size=128, verbose=0, return_dict=True)
     if strategy.is_chief:
         print(f"test accuracy: {result['accuracy']:.4f} (loss {result['loss']:.4f}) "
-              f"on {strategy.size} rank(s), global batch {args.batch_size * strategy.size}")
+              f"on {strategy.size} rank(s), global batch {global_batch}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"rank{strategy.rank}.json"), "w") as f:
-            json.dump({"test": result, "train_records": int(len(x_train))}, f)
+            json.dump({"test": result, "train_records": int(len(x_train)), "global_batch": global_batch}, f)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def nonfinite_checks(strategy, bad_step=5):
         x = np.ones((8 * 20, 4), "float32")
         y = np.ones((8 * 20, 1), "float32")
         if strategy.rank == 1:
-            y[8 * bad_step + 3] = np.nan  # one example of rank 1's batch `bad_step`
+            y[8 * bad_step + 7] = np.nan  # in the half of global batch `bad_step` that rank 1 trains on
         with strategy.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
             model.compile(optimizer="sgd", loss="mse")

@@ -2,7 +2,7 @@
 
     SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=2 ... python tests/multirank/launch_checks.py --out DIR
     tfdist-run -np 2 python tests/multirank/launch_checks.py --out DIR
-    python tests/multirank/launch_checks.py --out DIR --reference     # 1 process, batch x 2
+    python tests/multirank/launch_checks.py --out DIR --reference     # 1 process, same global batch
 
 Each rank writes DIR/rank<R>.json with its topology, the HOROVOD_* variables it ran with and the
 final weights; tests/test_launch.py compares the ranks with each other and with the reference.
@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_results  # noqa: E402
-from train_checks import PER_RANK_BATCH, RANKS, STEPS, build_model, loss_fn, make_data, rank_slice  # noqa: E402
+from train_checks import PER_RANK_BATCH, RANKS, STEPS, build_model, loss_fn, make_data  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist.keras_flavour import keras_module  # noqa: E402
@@ -30,13 +30,11 @@ def main():
     strategy = tfdist.HorovodStrategy(tuning=False)
     hvd = tfdist.collectives.horovod()
     rank, size = strategy.rank, strategy.size
-    batch = PER_RANK_BATCH * (RANKS if args.reference else 1)
+    batch = PER_RANK_BATCH * RANKS  # the global batch, split across ranks by the strategy
     x, y = make_data("dense", PER_RANK_BATCH * RANKS * STEPS)
     with strategy.scope():
         model = build_model("dense", seed=100 + rank)  # ranks start different; the broadcast aligns them
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss_fn())
-    if not args.reference:
-        x, y = rank_slice(x, rank, size, batch), rank_slice(y, rank, size, batch)
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     write_results(args.out, rank, {
         "topology": {"rank": rank, "size": size, "local_rank": hvd.local_rank(),

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import tfdist  # noqa: E402
 
 keras = keras_module()
-STEPS, BATCH, BAD_STEP = 6, 4, 2  # 0-based step whose rank-1 batch holds an inf
+STEPS, BATCH, BAD_STEP = 6, 8, 2  # global batch; 0-based step whose rank-1 half holds an inf
 
 
 class Record(keras.callbacks.Callback):
@@ -46,7 +46,7 @@ def main():
     x = rng.normal(size=(STEPS * BATCH, 3)).astype("float32")
     y = rng.normal(size=(STEPS * BATCH, 1)).astype("float32")
     if strategy.rank == 1:
-        x[BAD_STEP * BATCH] = np.inf
+        x[BAD_STEP * BATCH + BATCH - 1] = np.inf  # the last row of a global batch is rank 1's
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.01))

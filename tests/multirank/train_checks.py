@@ -74,7 +74,8 @@ def loss_fn():
 
 
 def rank_slice(x, rank, size, batch):
-    """Step t of `size` ranks covers records [t*size*batch, (t+1)*size*batch); rank r its r-th part."""
+    """Horovod's per-rank convention: step t of `size` ranks covers records [t*size*batch,
+    (t+1)*size*batch), and rank r reads its r-th part (what the global convention does itself)."""
     steps = len(x) // (size * batch)
     idx = [t * size * batch + rank * batch + i for t in range(steps) for i in range(batch)]
     return x[idx]
@@ -85,84 +86,97 @@ def weights_of(model):
 
 
 def equivalence_checks(strategy, reference, results):
-    """Train each (model, optimizer) for STEPS steps; the reference uses one process, batch x RANKS."""
-    rank, size = strategy.rank, strategy.size
-    batch = PER_RANK_BATCH * (RANKS if reference else 1)
+    """Train each (model, optimizer) for STEPS steps at one global batch: 2 ranks or 1 process.
+
+    Every rank passes the same full arrays, as a MirroredStrategy user would: the strategy splits
+    each global batch of 16 into 8 per rank.
+    """
+    rank = strategy.rank
+    batch = PER_RANK_BATCH * RANKS
     for kind in ("dense", "embedding"):
-        x, y = make_data(kind, PER_RANK_BATCH * RANKS * STEPS)
+        x, y = make_data(kind, batch * STEPS)
         for opt in OPTIMIZERS:
             with strategy.scope():
                 model = build_model(kind, seed=1000 + 17 * rank)  # different seed per rank
                 model.compile(optimizer=make_optimizer(opt), loss=loss_fn())
             initial = weights_of(model)
-            xs, ys = (x, y) if reference else (rank_slice(x, rank, size, batch), rank_slice(y, rank, size, batch))
-            model.fit(xs, ys, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
             results[f"{kind}/{opt}"] = {"initial": initial, "final": weights_of(model)}
 
 
-def accumulation_and_compression_checks(strategy, reference, results):
-    """Gradient accumulation (2 micro-steps) and fp16-compressed gradients.
-
-    Ranks: batch B, accumulating 2 micro-batches per update; reference: one process, batch 4B.
-    """
+def per_rank_convention_check(reference, results):
+    """HorovodStrategy(batch_convention="per_rank"): each rank's own slices, batched per rank."""
+    strategy = tfdist.HorovodStrategy(batch_convention="per_rank", tuning=False)
     rank, size = strategy.rank, strategy.size
-    x, y = make_data("dense", PER_RANK_BATCH * RANKS * 2 * STEPS)
+    x, y = make_data("dense", PER_RANK_BATCH * RANKS * STEPS)
     with strategy.scope():
-        model = build_model("dense", seed=3)
-        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
-        model.compile(optimizer=optimizer if reference else accumulate_gradients(optimizer, 2), loss=loss_fn())
-    if reference:
-        model.fit(x, y, batch_size=PER_RANK_BATCH * RANKS * 2, epochs=1, shuffle=False, verbose=0)
-    else:
-        model.fit(rank_slice(x, rank, size, PER_RANK_BATCH), rank_slice(y, rank, size, PER_RANK_BATCH),
-                  batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
-    results["accumulation"] = weights_of(model)
-    # fp16 compression on the ranks; the reference trains uncompressed on batch 2B
-    compressed = tfdist.HorovodStrategy(compression="fp16")
-    with compressed.scope():
-        model = build_model("dense", seed=1000)
+        model = build_model("dense", seed=1000 + 17 * rank)
         model.compile(optimizer=make_optimizer("sgd_momentum"), loss=loss_fn())
     if reference:
         model.fit(x, y, batch_size=PER_RANK_BATCH * RANKS, epochs=1, shuffle=False, verbose=0)
     else:
         model.fit(rank_slice(x, rank, size, PER_RANK_BATCH), rank_slice(y, rank, size, PER_RANK_BATCH),
                   batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    results["per_rank_convention"] = {"final": weights_of(model),
+                                      "steps": int(model.optimizer.iterations.numpy())}
+
+
+def accumulation_and_compression_checks(strategy, reference, results):
+    """Gradient accumulation (2 micro-steps) and fp16-compressed gradients.
+
+    Global batch 2B accumulated over 2 micro-batches per update; reference: one process, batch 4B.
+    """
+    x, y = make_data("dense", PER_RANK_BATCH * RANKS * 2 * STEPS)
+    with strategy.scope():
+        model = build_model("dense", seed=3)
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+        model.compile(optimizer=optimizer if reference else accumulate_gradients(optimizer, 2), loss=loss_fn())
+    batch = PER_RANK_BATCH * RANKS * (2 if reference else 1)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    results["accumulation"] = weights_of(model)
+    # fp16 compression on the ranks; the reference trains uncompressed, both at global batch 2B
+    compressed = tfdist.HorovodStrategy(compression="fp16")
+    with compressed.scope():
+        model = build_model("dense", seed=1000)
+        model.compile(optimizer=make_optimizer("sgd_momentum"), loss=loss_fn())
+    model.fit(x, y, batch_size=PER_RANK_BATCH * RANKS, epochs=1, shuffle=False, verbose=0)
     results["fp16_compression"] = weights_of(model)
 
 
 def metric_checks(strategy, results):
-    """History and evaluate() values against global values computed by hand from all ranks' data."""
-    rank, size = strategy.rank, strategy.size
-    hvd = tfdist.collectives.horovod()
+    """History, evaluate() and predict() against values computed by hand from all the data."""
     x, y = make_data("dense", 400)
     with strategy.scope():
         model = build_model("dense", seed=5)
         # lr 0 keeps the weights fixed, so the epoch's running loss is a plain mean we can recompute.
         model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss_fn(), metrics=["accuracy"])
-    fit_x, fit_y = x[rank * 48 : (rank + 1) * 48], y[rank * 48 : (rank + 1) * 48]
-    history = model.fit(fit_x, fit_y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    steps = []
+    count = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(batch))
+    fit_x, fit_y = x[:96], y[:96]
+    history = model.fit(fit_x, fit_y, batch_size=PER_RANK_BATCH * RANKS, epochs=1, shuffle=False,
+                        verbose=0, callbacks=[count])
 
-    # Uneven evaluation: rank r gets 20 + 13 r records (a partial last batch on every rank).
-    start = 100 + sum(20 + 13 * r for r in range(rank))
-    n = 20 + 13 * rank
-    ev_x, ev_y = x[start : start + n], y[start : start + n]
-    evaluated = model.evaluate(ev_x, ev_y, batch_size=PER_RANK_BATCH, verbose=0, return_dict=True)
+    # Uneven evaluation: 53 records at global batch 16 end with a partial batch split 3 + 2.
+    ev_x, ev_y = x[100:153], y[100:153]
+    evaluated = model.evaluate(ev_x, ev_y, batch_size=PER_RANK_BATCH * RANKS, verbose=0, return_dict=True)
+    predicted = model.predict(ev_x, batch_size=PER_RANK_BATCH * RANKS, verbose=0)
 
     def by_hand(xs, ys):
-        logits = model.predict(xs, batch_size=64, verbose=0)
+        logits = model(xs, training=False).numpy()  # this process alone, every record
         per_example = loss_fn().__class__(from_logits=True, reduction="none")(ys, logits).numpy()
         correct = (np.argmax(logits, axis=-1) == ys).astype("float32")
-        gathered = hvd.allgather(tf.constant(np.stack([per_example, correct], axis=1))).numpy()
-        return {"loss": float(gathered[:, 0].mean()), "accuracy": float(gathered[:, 1].mean()),
-                "count": int(len(gathered))}
+        return {"loss": float(per_example.mean()), "accuracy": float(correct.mean()),
+                "count": int(len(per_example)), "logits": logits}
 
+    ev_by_hand = by_hand(ev_x, ev_y)
     results["metrics"] = {
         "history": {k: float(v[0]) for k, v in history.history.items()},
-        "fit_by_hand": by_hand(fit_x, fit_y),
+        "fit_steps": len(steps),
+        "fit_by_hand": {k: v for k, v in by_hand(fit_x, fit_y).items() if k != "logits"},
         "evaluate": {k: float(v) for k, v in evaluated.items()},
-        "evaluate_by_hand": by_hand(ev_x, ev_y),
-        "local_evaluate_count": n,
-        "predict_rows": int(len(model.predict(ev_x, verbose=0))),
+        "evaluate_by_hand": {k: v for k, v in ev_by_hand.items() if k != "logits"},
+        "predict_rows": int(len(predicted)),
+        "predict_max_error": float(np.abs(predicted - ev_by_hand["logits"]).max()),
     }
 
 
@@ -206,6 +220,7 @@ def main():
     strategy = tfdist.HorovodStrategy()
     results = {"keras": keras.__name__}
     equivalence_checks(strategy, args.reference, results)
+    per_rank_convention_check(args.reference, results)
     accumulation_and_compression_checks(strategy, args.reference, results)
     if not args.reference:
         metric_checks(strategy, results)
