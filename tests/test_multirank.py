@@ -76,6 +76,16 @@ def test_per_rank_convention_stays_available(keras_flavor, tmp_path_factory):
     assert_weights_close(ranks[0]["per_rank_convention"]["final"], reference["per_rank_convention"]["final"])
 
 
+def test_shuffled_fit_sees_every_example_once_per_epoch(keras_flavor, tmp_path_factory):
+    ranks, _ = train_results(keras_flavor, tmp_path_factory)
+    for epoch in (0, 1):
+        ids0, ids1 = ranks[0]["shuffled_ids"][epoch], ranks[1]["shuffled_ids"][epoch]
+        assert len(ids0) == len(ids1) == 48  # half of the 96 examples on each rank
+        assert sorted(ids0 + ids1) == list(range(96))  # the two halves of one permutation
+    assert ranks[0]["shuffled_ids"][0] != sorted(ranks[0]["shuffled_ids"][0])  # it did shuffle
+    assert ranks[0]["shuffled_ids"][0] != ranks[0]["shuffled_ids"][1]  # anew each epoch
+
+
 def test_reported_metrics_are_global(keras_flavor, tmp_path_factory):
     ranks, _ = train_results(keras_flavor, tmp_path_factory)
     for rank in (0, 1):

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, distribute_utils, one_device_strategy
 
-from tfdist import collectives, consistency, keras_metrics, keras_predict
+from tfdist import collectives, consistency, keras_callbacks, keras_metrics, keras_predict
 from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
@@ -108,6 +108,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         distribute_lib.Strategy.__init__(self, extended)
         keras_metrics.install()
         keras_predict.install()
+        keras_callbacks.install()
         precision_lib.install()
         if precision is not None:
             precision_lib.set_policy(precision)
@@ -333,6 +334,15 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
     @property
     def _num_replicas_in_sync(self):
         return collectives.size()
+
+    # tf-keras' ModelCheckpoint / BackupAndRestore name non-chief scratch dirs after the task.
+    @property
+    def _task_type(self):
+        return "worker"
+
+    @property
+    def _task_id(self):
+        return collectives.rank()
 
     @property
     def should_checkpoint(self):

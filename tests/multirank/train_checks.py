@@ -180,6 +180,34 @@ def metric_checks(strategy, results):
     }
 
 
+def shuffle_check(strategy, results):
+    """fit(x, y, shuffle=True) with no seed set: which example ids each rank trains on, per epoch."""
+    seen = []
+
+    def record(ids):
+        seen.extend(int(v) for v in ids.numpy()[:, 0])
+        return ids
+
+    class Recorder(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            tf.py_function(record, [data[0]], [tf.float32])
+            return {"n": tf.constant(0.0)}
+
+    ids = np.arange(96, dtype="float32")[:, None]
+    with strategy.scope():
+        model = Recorder()
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(ids, ids, batch_size=PER_RANK_BATCH * RANKS, epochs=2, verbose=0, shuffle=True)
+    results["shuffled_ids"] = [seen[:48], seen[48:]]
+
+
 def strategy_facts(strategy, results):
     results["facts"] = {
         "rank": strategy.rank,
@@ -219,6 +247,8 @@ def main():
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy()
     results = {"keras": keras.__name__}
+    if not args.reference:
+        shuffle_check(strategy, results)  # first: before the other checks set per-rank seeds
     equivalence_checks(strategy, args.reference, results)
     per_rank_convention_check(args.reference, results)
     accumulation_and_compression_checks(strategy, args.reference, results)
