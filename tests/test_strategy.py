@@ -9,7 +9,8 @@ import tensorflow as tf
 
 import tfdist
 from tfdist import collectives
-from tfdist.strategy import _describe_signature, _is_sharded
+from tfdist.input_contract import check_global_batch, is_per_rank, is_sharded
+from tfdist.strategy import _describe_signature
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,31 @@ def test_signature_round_trip():
 
 
 def test_shard_detection():
-    assert _is_sharded(tf.data.Dataset.range(8).shard(2, 0).batch(2))
-    assert not _is_sharded(tf.data.Dataset.range(8).batch(2))
+    assert is_sharded(tf.data.Dataset.range(8).shard(2, 0).batch(2))
+    assert not is_sharded(tf.data.Dataset.range(8).batch(2))
+
+
+def test_global_batch_that_cannot_be_split_is_named():
+    ds = tf.data.Dataset.range(30)
+    with pytest.raises(ValueError, match="global batch of 15 evenly across 2 ranks.*divisible by 2"):
+        check_global_batch(ds.batch(15), 2)
+    with pytest.raises(ValueError, match="no batch dimension.*num_replicas_in_sync"):
+        check_global_batch(ds, 2)
+    check_global_batch(ds.batch(16), 2)  # a partial last batch (14) is fine: split 7 + 7
+    check_global_batch(ds.batch(15), 3)
+
+
+def test_reader_marks_per_rank_datasets_only(tmp_path):
+    from pipelines import read_dataset, write_arrays
+
+    write_arrays({"id": np.arange(20, dtype=np.int64)}, tmp_path / "ds", min_shards=2)
+    ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=2)
+    per_rank, _ = read_dataset(tmp_path / "ds", 4, input_context=ctx, training=False)
+    whole, _ = read_dataset(tmp_path / "ds", 4, training=False)
+    assert is_per_rank(per_rank.map(lambda e: e["id"]))  # found up the input chain
+    assert not is_per_rank(whole)
+    # the whole dataset is split by data, so strategies divide each global batch exactly
+    assert whole.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.DATA
 
 
 def test_this_horovod_build_has_no_xla_ops():

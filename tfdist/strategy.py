@@ -23,11 +23,10 @@ import logging
 import os
 import tempfile
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, distribute_utils, one_device_strategy
 
-from tfdist import collectives, consistency, keras_callbacks, keras_metrics, keras_predict
+from tfdist import collectives, consistency, input_contract, keras_callbacks, keras_metrics, keras_predict
 from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
@@ -89,7 +88,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             consistency.check_start(fingerprint)
         if watchdog is not False:
             watchdog_lib.start(None if watchdog is True else float(watchdog))
-        _agree_on_tf_seed()
+        input_contract.agree_on_tf_seed()
         if batch_convention not in ("global", "per_rank"):
             raise ValueError(f"batch_convention={batch_convention!r}: expected 'global' (the "
                              "tf.distribute contract) or 'per_rank' (Horovod's)")
@@ -216,15 +215,15 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
 
     def _experimental_distribute_dataset(self, dataset, options):
         self._check_first_dataset(dataset)
-        if _is_per_rank(dataset) or not self._global_batch or collectives.size() == 1:
+        if input_contract.is_per_rank(dataset) or not self._global_batch or collectives.size() == 1:
             return self._distribute_per_rank_dataset(dataset, options)
         return self._distribute_global_dataset(dataset, options)
 
     def _distribute_per_rank_dataset(self, dataset, options):
         # Horovod convention: each rank iterates its own per-rank batches; nothing is split or
         # sharded here, so an unsharded dataset feeds every rank the same records.
-        if (collectives.size() > 1 and not self._noted_unsharded and not _is_per_rank(dataset)
-                and not _is_sharded(dataset)):
+        if (collectives.size() > 1 and not self._noted_unsharded and not input_contract.is_per_rank(dataset)
+                and not input_contract.is_sharded(dataset)):
             self._noted_unsharded = True
             log.info(
                 "tfdist: rank %d: dataset has no shard(); it is used as given on this rank (fine if "
@@ -238,10 +237,10 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         from tensorflow.python.distribute import input_util
 
         size = collectives.size()
-        _check_global_batch(dataset, size)
+        input_contract.check_global_batch(dataset, size)
         policy = dataset.options().experimental_distribute.auto_shard_policy
         if (not self._noted_presharded and policy != tf.data.experimental.AutoShardPolicy.OFF
-                and _is_sharded(dataset)):
+                and input_contract.is_sharded(dataset)):
             self._noted_presharded = True
             log.warning(
                 "tfdist: rank %d: this dataset already calls shard() and is auto-sharded again "
@@ -403,54 +402,3 @@ def _describe_signature(row):
     ndim, dtype_enum = int(row[0]), int(row[1])
     shape = tuple(int(d) for d in row[2 : 2 + ndim])
     return f"shape {shape} dtype {tf.dtypes.as_dtype(dtype_enum).name}"
-
-
-def _agree_on_tf_seed():
-    """Give every rank rank 0's TensorFlow seed where the user set none on that rank.
-
-    With the global-batch convention each rank takes its part of every batch, so the ranks'
-    shuffles (e.g. `fit(x, y, shuffle=True)`) must agree, or an epoch would show some examples
-    twice and others never (MWMS asks its users to seed every worker alike for this). A seed the
-    user set is kept.
-    """
-    if collectives.size() == 1:
-        return
-    from tensorflow.python.eager import context
-
-    own = context.global_seed()
-    candidate = own if own is not None else int(np.random.SeedSequence().generate_state(1)[0] >> 1)
-    agreed = int(collectives.broadcast(tf.constant(candidate, tf.int64), 0, name="tfdist.seed").numpy())
-    if own is None:
-        tf.random.set_seed(agreed)
-
-
-def _check_global_batch(dataset, size):
-    """A dataset split across `size` ranks must be batched by a global batch they divide."""
-    specs = [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
-    if specs and all(s.shape.rank == 0 for s in specs):
-        raise ValueError(
-            f"HorovodStrategy cannot split this dataset across {size} ranks: its elements have no "
-            f"batch dimension (element_spec {dataset.element_spec}). Batch it by the global batch "
-            "size, e.g. dataset.batch(per_rank_batch * strategy.num_replicas_in_sync).")
-    from tensorflow.python.data.experimental.ops import distribute as tf_data_distribute
-
-    batch = int(tf_data_distribute.compute_batch_size(dataset))
-    if batch > 0 and batch % size:
-        raise ValueError(
-            f"HorovodStrategy cannot split a global batch of {batch} evenly across {size} ranks: "
-            f"use a global batch size divisible by {size} (e.g. {batch - batch % size or size}), or "
-            "batch per rank with HorovodStrategy(batch_convention='per_rank').")
-
-
-def _is_per_rank(dataset):
-    """Whether tfdist's own reader built this dataset for one rank (`read_dataset(input_context=)`)."""
-    return consistency.find_dataset_attribute(dataset, "tfdist_per_rank") is not None
-
-
-def _is_sharded(dataset):
-    """Whether a shard() appears anywhere in the dataset's graph (best effort)."""
-    try:
-        graph_def = dataset._as_serialized_graph().numpy()
-    except Exception:  # noqa: BLE001 - an unknown dataset type: do not warn
-        return True
-    return b"ShardDataset" in graph_def
