@@ -68,6 +68,13 @@ def test_fp16_compressed_gradients_stay_identical_and_close(keras_flavor, tmp_pa
     assert_weights_close(ranks[0]["fp16_compression"], reference["fp16_compression"], atol=2e-3)
 
 
+def test_synchronized_batchnorm_uses_global_statistics(keras_flavor, tmp_path_factory):
+    ranks, reference = train_results(keras_flavor, tmp_path_factory)
+    assert ranks[0]["sync_batchnorm"] == ranks[1]["sync_batchnorm"]
+    # moving mean and variance of the last global batch of 16, as one process computes them
+    assert_weights_close(ranks[0]["sync_batchnorm"], reference["sync_batchnorm"], atol=1e-3)
+
+
 def test_per_rank_convention_stays_available(keras_flavor, tmp_path_factory):
     ranks, reference = train_results(keras_flavor, tmp_path_factory)
     # batch_convention="per_rank": each rank's slices at batch 8 == 1 process at batch 16
@@ -83,7 +90,9 @@ def test_shuffled_fit_sees_every_example_once_per_epoch(keras_flavor, tmp_path_f
         assert len(ids0) == len(ids1) == 48  # half of the 96 examples on each rank
         assert sorted(ids0 + ids1) == list(range(96))  # the two halves of one permutation
     assert ranks[0]["shuffled_ids"][0] != sorted(ranks[0]["shuffled_ids"][0])  # it did shuffle
-    assert ranks[0]["shuffled_ids"][0] != ranks[0]["shuffled_ids"][1]  # anew each epoch
+    if keras_flavor == "tf_keras":
+        assert ranks[0]["shuffled_ids"][0] != ranks[0]["shuffled_ids"][1]  # anew each epoch
+    # Keras 3 repeats a seeded array shuffle every epoch, in one process too (README, Known limits)
 
 
 def test_reported_metrics_are_global(keras_flavor, tmp_path_factory):

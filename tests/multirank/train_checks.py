@@ -104,6 +104,18 @@ def equivalence_checks(strategy, reference, results):
             results[f"{kind}/{opt}"] = {"initial": initial, "final": weights_of(model)}
 
 
+def sync_batchnorm_check(strategy, results):
+    """BatchNormalization(synchronized=True): moving statistics of the global batch's last step."""
+    rows = np.arange(1, 33, dtype="float32")[:, None]  # rank 1's halves have larger values
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32") * rows
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(synchronized=True, momentum=0.0),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.fit(x, np.zeros((32, 1), "float32"), batch_size=PER_RANK_BATCH * RANKS, shuffle=False, verbose=0)
+    results["sync_batchnorm"] = [w.tolist() for w in model.layers[0].get_weights()[2:]]
+
+
 def per_rank_convention_check(reference, results):
     """HorovodStrategy(batch_convention="per_rank"): each rank's own slices, batched per rank."""
     strategy = tfdist.HorovodStrategy(batch_convention="per_rank", tuning=False)
@@ -251,6 +263,7 @@ def main():
         shuffle_check(strategy, results)  # first: before the other checks set per-rank seeds
     equivalence_checks(strategy, args.reference, results)
     per_rank_convention_check(args.reference, results)
+    sync_batchnorm_check(strategy, results)
     accumulation_and_compression_checks(strategy, args.reference, results)
     if not args.reference:
         metric_checks(strategy, results)
