@@ -1,4 +1,5 @@
-"""Fault behaviour on real 2-rank jobs: dead and stalled ranks, ranks that disagree, NaN losses.
+"""Fault behaviour on real 2-rank jobs: dead, stalled, raising, exiting and interrupted ranks, a
+watchdog that cannot listen, ranks that disagree, NaN losses.
 
 The dead-rank tests run twice: under `horovodrun` (which itself terminates the siblings of a
 failed process) and as two plain processes with Horovod's Gloo variables set by hand around a
@@ -23,6 +24,11 @@ WORKERS = Path(__file__).parent / "multirank"
 WATCHDOG_WORKER = WORKERS / "watchdog_checks.py"
 EXIT_LIMIT_S = 60
 HOST = socket.gethostname()
+# The two lines of the error rank 1 raises in watchdog_checks.py's "raise" mode.
+FIRST_LINE = "first line: rank 1 fails at step 20"
+LAST_LINE = "second line: the real cause is injected on rank 1"
+NONFINITE = ("NonFiniteLossError: non-finite loss (nan) at epoch 1, batch 5 (step 5 of this fit): "
+             "local loss non-finite on rank 1")
 
 
 def _job_env(extra=None):
@@ -96,8 +102,8 @@ class Unsupervised:
 def unsupervised(tmp_path):
     jobs = []
 
-    def start(mode, env=None):
-        job = Unsupervised([WATCHDOG_WORKER, "--mode", mode], tmp_path, env=env)
+    def start(mode, env=None, np=2):
+        job = Unsupervised([WATCHDOG_WORKER, "--mode", mode], tmp_path, np=np, env=env)
         jobs.append(job)
         return job
 
@@ -110,11 +116,31 @@ def _rank0_stopped(job, seconds, what):
     code = job.procs[0].wait(timeout=5)
     text = job.output(0)
     print(f"\nrank 0 exited {seconds:.2f} s after rank 1 {what} (exit code {code}); its message: "
-          + next((l for l in text.splitlines() if "tfdist watchdog" in l), "<none>"))
-    assert code != 0, text[-3000:]
+          + _verdict_line(text))
+    assert code == 3, text[-3000:]
     assert seconds < EXIT_LIMIT_S
     assert f"tfdist watchdog: rank 1 (host {HOST}, pid {job.procs[1].pid})" in text, text[-3000:]
-    return text
+    return _verdict_line(text)
+
+
+def _verdict_line(text):
+    return next((l for l in text.splitlines() if "tfdist watchdog:" in l), "<none>")
+
+
+def _horovodrun(tmp_path, mode, *extra):
+    log = open(tmp_path / "job.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "horovodrun"), "-np", "2", "--gloo", sys.executable, str(WATCHDOG_WORKER),
+         "--mode", mode, "--out", str(tmp_path), *extra],
+        cwd=ROOT, env=_job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc, tmp_path / "job.log"
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_killed_rank_stops_the_survivor_without_a_launcher(unsupervised):
@@ -133,8 +159,92 @@ def test_rank_raising_stops_the_survivor_without_a_launcher(unsupervised):
     assert _wait_ready(Path(job.logs[0].name).parent, ranks=(1,), procs=job.procs)
     start = time.monotonic()
     job.procs[0].wait(timeout=EXIT_LIMIT_S + 10)
-    text = _rank0_stopped(job, time.monotonic() - start, "raised")
-    assert "failed: RuntimeError: injected failure on rank 1 at step 20" in text
+    verdict = _rank0_stopped(job, time.monotonic() - start, "raised")
+    # The type and the last line of the two-line message, not the first.
+    assert f"failed: ValueError: {LAST_LINE} [last line of a 2-line message" in verdict, verdict
+    assert FIRST_LINE not in verdict
+    assert job.procs[1].wait(timeout=30) == 1
+    own = job.output(1)
+    assert "Traceback (most recent call last):" in own
+    assert f"ValueError: {FIRST_LINE}\n{LAST_LINE}" in own, own[-3000:]
+
+
+def test_rank_raising_under_horovodrun_prints_its_traceback_first(tmp_path):
+    """The failing rank's traceback reaches the job's output before the watchdog (or horovodrun,
+    reacting to the survivor's exit) can end it, even when printing it takes 2 s."""
+    proc, log_path = _horovodrun(tmp_path, "raise", "--slow_stderr", "2")
+    try:
+        code = proc.wait(timeout=EXIT_LIMIT_S + 120)
+    finally:
+        _stop(proc)
+    text = log_path.read_text()
+    rank1 = "\n".join(l.split(":", 1)[1] for l in text.splitlines() if l.startswith("[1]<stderr>:"))
+    assert code != 0, text[-3000:]
+    assert "Traceback (most recent call last):" in rank1, text[-3000:]
+    assert f"ValueError: {FIRST_LINE}\n{LAST_LINE}" in rank1, text[-3000:]
+    verdict = _verdict_line(text)
+    print(f"\nunder horovodrun, rank 0: {verdict}")
+    pid = (tmp_path / "ready1").read_text()
+    assert verdict.startswith(f"[0]<stderr>:tfdist watchdog: rank 1 (host {HOST}, pid {pid}) "
+                              f"failed: ValueError: {LAST_LINE} [last line of a 2-line message"), verdict
+    assert FIRST_LINE not in verdict
+
+
+def test_sys_exit_on_one_rank_stops_the_survivor(unsupervised):
+    job = unsupervised("exit")
+    assert _wait_ready(Path(job.logs[0].name).parent, ranks=(1,), procs=job.procs)
+    start = time.monotonic()
+    job.procs[0].wait(timeout=EXIT_LIMIT_S + 10)
+    verdict = _rank0_stopped(job, time.monotonic() - start, "called sys.exit(3)")
+    assert "failed: sys.exit(3)" in verdict, verdict
+    assert job.procs[1].wait(timeout=30) == 3
+
+
+def test_ctrl_c_on_one_rank_stops_the_survivor(unsupervised):
+    job = unsupervised("train")
+    pids = _wait_ready(Path(job.logs[0].name).parent, procs=job.procs)
+    assert pids, job.output(0)[-3000:] + job.output(1)[-3000:]
+    os.kill(pids[1], signal.SIGINT)
+    seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+    verdict = _rank0_stopped(job, seconds, "got SIGINT")
+    assert "failed: KeyboardInterrupt" in verdict, verdict
+    assert job.procs[1].wait(timeout=30) != 0
+    assert "KeyboardInterrupt" in job.output(1)
+
+
+def test_nonfinite_raise_stops_every_rank_with_its_own_traceback(unsupervised):
+    """NonFiniteLossError is raised on every rank at the same step: each rank prints it and exits
+    1; none is cut short by the watchdog relaying the other's error."""
+    job = unsupervised("nonfinite")
+    codes = [proc.wait(timeout=EXIT_LIMIT_S + 120) for proc in job.procs]
+    for rank in (0, 1):
+        text = job.output(rank)
+        assert codes[rank] == 1, (rank, codes, text[-3000:])
+        assert "Traceback (most recent call last):" in text and NONFINITE in text, text[-3000:]
+        assert "tfdist watchdog:" not in text, text[-3000:]
+
+
+def test_rank0_that_cannot_listen_fails_every_rank(tmp_path):
+    ranks = run_job([WORKERS / "fault_checks.py", "--checks", "watchdog_port"], tmp_path, np=2,
+                    env={"TFDIST_WATCHDOG_TIMEOUT": "0"}, timeout=300)
+    port = ranks[0]["watchdog_port"]["taken_port"]
+    expected = {
+        "taken": [f"cannot listen on 127.0.0.1:{port}", "Address already in use"],
+        "not_a_number": ["cannot listen on 127.0.0.1:notaport",
+                         "'notaport', not a number from 0 to 65535"],
+        "out_of_range": ["'70000', not a number from 0 to 65535"],
+        "unknown_host": ["cannot listen on no-such-host.invalid:0"],
+    }
+    for rank in (0, 1):
+        checks = ranks[rank]["watchdog_port"]
+        for name, parts in expected.items():
+            message = checks[name]["message"]
+            assert checks[name]["error"] == "WatchdogError", (rank, name, checks[name])
+            for part in [f"rank 0 (host {HOST})", "Set TFDIST_WATCHDOG_ADDR", "watchdog=False",
+                         "Every rank stops with this error", *parts]:
+                assert part in message, (rank, name, part, message)
+            assert (f"reported to rank 1, host {HOST}" in message) == (rank == 1), message
+        assert checks["good"]["error"] is None and checks["active"], checks
 
 
 def test_stalled_rank_is_named_after_the_timeout(unsupervised):
@@ -153,22 +263,15 @@ def test_stalled_rank_is_named_after_the_timeout(unsupervised):
 
 
 def test_killed_rank_under_horovodrun_names_rank_and_host(tmp_path):
-    log_path = tmp_path / "job.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [str(BIN / "horovodrun"), "-np", "2", "--gloo", sys.executable, str(WATCHDOG_WORKER),
-             "--mode", "train", "--out", str(tmp_path)],
-            cwd=ROOT, env=_job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            pids = _wait_ready(tmp_path, procs=[proc])
-            assert pids, log_path.read_text()[-3000:]
-            os.kill(pids[1], signal.SIGKILL)
-            seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    proc, log_path = _horovodrun(tmp_path, "train")
+    try:
+        pids = _wait_ready(tmp_path, procs=[proc])
+        assert pids, log_path.read_text()[-3000:]
+        os.kill(pids[1], signal.SIGKILL)
+        seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+        proc.wait(timeout=30)
+    finally:
+        _stop(proc)
     text = log_path.read_text()
     print(f"\nunder horovodrun, rank 0 exited {seconds:.2f} s after rank 1 was killed")
     assert seconds < EXIT_LIMIT_S and proc.returncode != 0
@@ -234,3 +337,28 @@ def test_nonfinite_loss_on_one_process():
     assert len(history.epoch) == 1
     with pytest.raises(ValueError, match="action"):
         StopOnNonFiniteLoss(action="ignore")
+
+
+def test_error_summary_keeps_the_type_and_the_last_meaningful_line():
+    """What the other ranks print about a rank's error, on a real Keras error and on long text."""
+    from tfdist.keras_flavour import keras_module
+    from tfdist.watchdog_support import LINE_CHARS, RECORD_BYTES, describe_exception, encode_record
+
+    keras = keras_module()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError) as caught:
+        model.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), verbose=0)
+    summary = describe_exception(caught.type, caught.value, rank=1)
+    # Keras puts the cause last, after "in user code" (tf-keras) or before its argument list.
+    assert summary.startswith("ValueError: ") and "incompatible" in summary, summary
+    assert "in user code" not in summary and "Arguments received" not in summary, summary
+    assert "rank 1's traceback has all of it" in summary and "\x1b" not in summary, summary
+
+    long = describe_exception(RuntimeError, RuntimeError("head " + "x" * 2000 + " tail"))
+    assert long.startswith("RuntimeError: head") and long.endswith(" tail"), long
+    assert " ... " in long and len(long) <= LINE_CHARS
+    assert describe_exception(KeyboardInterrupt, KeyboardInterrupt()) == "KeyboardInterrupt"
+
+    record = encode_record({"addr": ["10.0.0.1", 5000], "host": "h" * 1000})
+    assert len(record) <= RECORD_BYTES and b"more than the 512" in record and b" ... " in record

@@ -16,6 +16,8 @@ class XlaNotSupportedError(TfdistError):
 class RankMismatchError(TfdistError):
     """Ranks disagree about something that must be identical (model variables, ...)."""
 
+    raised_on_every_rank = True  # the watchdog lets every rank raise it and print its traceback
+
 
 class WatchdogError(TfdistError):
     """The liveness watchdog could not be set up (e.g. rank 0's address is unreachable)."""
@@ -23,3 +25,5 @@ class WatchdogError(TfdistError):
 
 class NonFiniteLossError(TfdistError):
     """The training loss became NaN or infinite (raised by `callbacks.StopOnNonFiniteLoss`)."""
+
+    raised_on_every_rank = True  # at the same step on every rank (the logged loss is global)

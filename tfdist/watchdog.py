@@ -11,10 +11,14 @@ second from a daemon thread (nothing runs on the training path). Then:
 
 - a connection that closes without a goodbye (killed, crashed, OOM-killed: the kernel closes the
   process's sockets) or falls silent for `timeout` seconds marks that rank dead;
-- an uncaught exception on a rank is reported with its error before the rank exits;
+- a rank that raises prints its full traceback first, then reports `Type: last meaningful line`
+  of its error; `sys.exit(n)` with n not 0/None and Ctrl-C (KeyboardInterrupt) are reported too;
 - rank 0 tells every survivor, and each prints one line naming the rank and its host to stderr
   and leaves with `os._exit(EXIT_CODE)`; the main thread may be blocked inside an allreduce,
   where no Python exception can reach it. Ranks that lose rank 0 do the same, naming rank 0;
+- an error that every rank raises at the same point (`raised_on_every_rank`, e.g.
+  NonFiniteLossError) gives the others VERDICT_GRACE_SECONDS to raise it too, so that every rank
+  prints its own traceback and exits 1;
 - a rank that ends normally says goodbye (atexit) and is not reported.
 
 Example (normally `HorovodStrategy(watchdog=...)` does this for you):
@@ -31,34 +35,33 @@ connect to; default: the address of Horovod's Gloo interface, all interfaces bou
 """
 
 import atexit
-import fcntl
 import json
 import os
 import secrets
 import selectors
 import socket
-import struct
 import sys
 import threading
 import time
 
-import numpy as np
-import tensorflow as tf
-
 from tfdist import collectives
 from tfdist.errors import WatchdogError
+from tfdist.watchdog_support import (advertised_host, broadcast_record, clip, describe_exception,
+                                     host_name, listen, read_line)
 
 DEFAULT_TIMEOUT = 20.0  # below Gloo's own 30 s recv timeout, so the watchdog names the rank first
 HEARTBEAT_SECONDS = 1.0
 EXIT_CODE = 3  # "stopped because another rank failed"
 # How long a rank whose own collective failed waits for the watchdog's verdict on a peer, so
-# the message names the rank that died rather than the survivor that noticed.
+# the message names the rank that died rather than the survivor that noticed; also how long a
+# rank waits to raise an error that every rank raises (e.g. NonFiniteLossError) itself.
 VERDICT_GRACE_SECONDS = 3.0
 HELLO_SECONDS = 5.0  # how long an accepted connection may take to say which rank it is
+TRACEBACK_SECONDS = 10.0  # how long a verdict waits for this rank's own traceback to be printed
 _COLLECTIVE_ERROR_WORDS = ("horovod", "gloo", "connection reset", "timed out waiting")
-_ADDRESS_BYTES = 512
 
 _active = None
+_exit_request = None  # (status,) once sys.exit(status) was called
 
 
 def start(timeout=None):
@@ -66,7 +69,8 @@ def start(timeout=None):
 
     `timeout`: seconds of silence before a rank counts as stalled; None uses
     `TFDIST_WATCHDOG_TIMEOUT` or `DEFAULT_TIMEOUT`. Nothing starts on one rank, with a timeout
-    of 0, or when a watchdog already runs in this process.
+    of 0, or when a watchdog already runs in this process. When rank 0 cannot listen, every rank
+    raises the same `WatchdogError` (naming the address and the fix).
     """
     global _active
     if _active is not None or collectives.size() == 1:
@@ -76,32 +80,31 @@ def start(timeout=None):
     if timeout <= 0:
         return None
     rank, size = collectives.rank(), collectives.size()
-    listener = _listen() if rank == 0 else None
-    token = secrets.token_hex(16)
-    if listener is not None:
-        advertised = (_advertised_host(), listener.getsockname()[1])
-    else:
-        advertised = ("", 0)
-    hub = _broadcast_json({"addr": advertised, "token": token, "host": host_name(), "pid": os.getpid()})
+    listener, record = None, None
+    if rank == 0:
+        try:
+            listener = listen()
+            record = {"addr": [advertised_host(), listener.getsockname()[1]],
+                      "token": secrets.token_hex(16), "host": host_name(), "pid": os.getpid()}
+        except WatchdogError as e:
+            record = {"error": str(e)}
+    hub = broadcast_record(record)  # every rank learns rank 0's address, or why there is none
+    if "error" in hub:
+        if listener is not None:
+            listener.close()
+        where = "" if rank == 0 else f" (reported to rank {rank}, host {host_name()})"
+        raise WatchdogError(f"{hub['error']} Every rank stops with this error{where}.")
     dog = _Watchdog(rank, size, float(timeout), hub)
     if rank == 0:
-        dog.accept_peers(listener, token)
+        dog.accept_peers(listener, hub["token"])
     else:
         dog.connect_to_hub()
     _active = dog
-    atexit.register(_say_goodbye)
+    atexit.register(_at_exit)
     _chain_excepthook()
+    _watch_sys_exit()
     threading.Thread(target=dog.run, name="tfdist-watchdog", daemon=True).start()
     return dog
-
-
-def host_name():
-    """This rank's host as the launcher knows it, plus the machine's own name when they differ."""
-    own = socket.gethostname()
-    launcher = os.environ.get("HOROVOD_HOSTNAME", "")
-    if launcher and launcher not in (own, "localhost", "127.0.0.1"):
-        return f"{launcher} ({own})"
-    return own
 
 
 class _Peer:
@@ -131,6 +134,9 @@ class _Watchdog:
         self.peers = {}  # rank -> _Peer (rank 0: every other rank; others: rank 0 only)
         self.failing = False  # this rank is exiting with its own error
         self.stopped = False  # this rank said goodbye
+        self.printing = threading.Lock()  # held while this rank prints its own traceback
+        self.settled = set()  # ranks that left or reported their own failure
+        self.pending = None  # (deadline, action): a verdict waiting for this rank's own error
 
     # --- setup (synchronous, inside HorovodStrategy.__init__) --------------------------------
     def accept_peers(self, listener, token):
@@ -142,7 +148,7 @@ class _Watchdog:
                 sock, _ = listener.accept()
                 # A rank sends its hello at once; anything silent for long is not one of ours
                 # (a port scanner, a health check) and must not hold up the others.
-                hello, rest = _read_line(sock, min(deadline, time.monotonic() + HELLO_SECONDS))
+                hello, rest = read_line(sock, min(deadline, time.monotonic() + HELLO_SECONDS))
                 if not isinstance(hello, dict):
                     raise ValueError("hello is not a JSON object")
             except (OSError, ValueError, KeyError):
@@ -200,10 +206,14 @@ class _Watchdog:
             peer.sock.settimeout(5)
             selector.register(peer.sock, selectors.EVENT_READ, peer)
         next_beat = time.monotonic()
-        while self.peers and not self.stopped:
-            for key, _ in selector.select(timeout=max(next_beat - time.monotonic(), 0)):
+        while (self.peers or self.pending) and not self.stopped:
+            wake = min(next_beat, self.pending[0]) if self.pending else next_beat
+            for key, _ in selector.select(timeout=max(wake - time.monotonic(), 0)):
                 self._receive(key.data, selector)
             now = time.monotonic()
+            if self.pending and now >= self.pending[0]:
+                action, self.pending = self.pending[1], None
+                action()  # does nothing when this rank meanwhile raised its own error
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_SECONDS
                 for peer in list(self.peers.values()):
@@ -219,9 +229,11 @@ class _Watchdog:
         except OSError:
             data = b""
         if not data:
-            selector.unregister(peer.sock)
-            self._peer_failed(peer, "died: its connection closed without a goodbye (killed, "
-                                    "crashed, or out of memory)")
+            self._forget(peer, selector)
+            if peer.rank not in self.settled:
+                self.settled.add(peer.rank)
+                self._peer_failed(peer, "died: its connection closed without a goodbye (killed, "
+                                        "crashed, or out of memory)")
             return
         peer.last_heard = time.monotonic()
         peer.buffer += data
@@ -233,31 +245,55 @@ class _Watchdog:
                 continue
             kind = message.get("t")
             if kind == "bye":
-                selector.unregister(peer.sock)
-                peer.sock.close()
-                del self.peers[peer.rank]
+                self.settled.add(peer.rank)
+                self._forget(peer, selector)
                 return
             if kind == "failed":
-                self._peer_failed(peer, f"failed: {message['error']}")
-            elif kind == "dead":  # rank 0's verdict on another rank
-                self._exit(message["text"])
+                self.settled.add(peer.rank)
+                what = f"failed: {message['error']}"
+                self._verdict_on(message, lambda what=what: self._peer_failed(peer, what))
+            elif kind == "dead":  # rank 0's verdict on another rank, or on itself
+                self.settled.add(0)
+                self._verdict_on(message, lambda text=message["text"]: self._exit(text))
+
+    def _verdict_on(self, message, action):
+        """Act on a peer's failure now, or, for an error every rank raises, once this rank had
+        VERDICT_GRACE_SECONDS to raise it too (then it exits with its own traceback instead)."""
+        if not message.get("every_rank"):
+            action()
+        elif self.pending is None:
+            self.pending = (time.monotonic() + VERDICT_GRACE_SECONDS, action)
+
+    def _forget(self, peer, selector):
+        try:
+            selector.unregister(peer.sock)
+        except (KeyError, ValueError):
+            pass
+        peer.sock.close()
+        self.peers.pop(peer.rank, None)
 
     def _peer_failed(self, peer, what):
         if self.stopped or self.failing:
             return  # this rank is already on its way out with its own story
-        if self.rank == 0:
-            self._tell_others(_verdict(f"{peer.describe()} {what}", "every rank"), skip=peer)
+        if self.rank == 0 and self._tell_others(_verdict(f"{peer.describe()} {what}", "every rank"),
+                                                skip=peer):
+            time.sleep(0.2)  # let them read it before this process's exit resets the connections
         self._exit(_verdict(f"{peer.describe()} {what}", f"rank {self.rank} (host {self.host})"))
 
-    def _tell_others(self, text, skip=None):
+    def _tell_others(self, text, skip=None, every_rank=False):
         others = [p for p in self.peers.values() if p is not skip]
         for other in others:
-            other.send({"t": "dead", "text": text})
-        if others:
-            time.sleep(0.2)  # let them read it before this process's exit resets the connections
+            other.send({"t": "dead", "text": text, "every_rank": every_rank})
+        return others
 
     def _exit(self, text):
         if self.stopped or self.failing:
+            return
+        # A traceback this rank is printing comes first (the verdict is then the last line).
+        printed = self.printing.acquire(timeout=TRACEBACK_SECONDS)
+        if self.failing:  # this rank raised meanwhile: its own report stands
+            if printed:
+                self.printing.release()
             return
         try:
             sys.stderr.write(text + "\n")
@@ -273,21 +309,32 @@ class _Watchdog:
         for peer in list(self.peers.values()):
             peer.send({"t": "bye"})
 
-    def report_own_failure(self, error):
-        error_text = f"{type(error).__name__}: {str(error).strip()}"
-        first_line = error_text.splitlines()[0][:300] if error_text else type(error).__name__
-        if any(word in error_text.lower() for word in _COLLECTIVE_ERROR_WORDS):
-            # Probably the echo of a peer's death: give the watchdog thread time to name it
-            # (it exits the process when it does).
-            deadline = time.monotonic() + VERDICT_GRACE_SECONDS
-            while time.monotonic() < deadline:
-                time.sleep(0.05)
-        self.failing = True
+    def report_own_failure(self, summary, every_rank=False, echo=False, claimed=False):
+        """Tell the other ranks why this rank is leaving (after its traceback is printed).
+
+        `claimed`: the caller already set `failing` (so no peer's verdict replaces this one)."""
+        if not claimed:
+            if self.failing or self.stopped:
+                return
+            if echo:
+                # Probably the echo of a peer's death: give the watchdog thread time to name it
+                # (it exits the process when it does).
+                deadline = time.monotonic() + VERDICT_GRACE_SECONDS
+                while time.monotonic() < deadline:
+                    time.sleep(0.05)
+            self.failing = True
         if self.rank == 0:
-            self._tell_others(_verdict(f"rank 0 (host {self.host}, pid {os.getpid()}) failed: "
-                                       f"{first_line}", "every rank"))
+            text = _verdict(f"rank 0 (host {self.host}, pid {os.getpid()}) failed: {summary}",
+                            "every rank")
+            if self._tell_others(text, every_rank=every_rank):
+                # Stay until the others have left or raised the same error themselves, so that
+                # a launcher reacting to this exit does not cut their own report short.
+                deadline = time.monotonic() + VERDICT_GRACE_SECONDS + (1 if every_rank else 0)
+                others = range(1, self.size)
+                while time.monotonic() < deadline and not self.settled.issuperset(others):
+                    time.sleep(0.02)
         elif 0 in self.peers:
-            self.peers[0].send({"t": "failed", "error": first_line})
+            self.peers[0].send({"t": "failed", "error": summary, "every_rank": every_rank})
 
 
 def _verdict(what_happened, who_stops):
@@ -295,83 +342,59 @@ def _verdict(what_happened, who_stops):
             "so that no rank waits forever in a collective.")
 
 
-def _say_goodbye():
-    if _active is not None:
+def _at_exit():
+    """Goodbye for a normal end; a report for sys.exit(n) with n not 0 or None."""
+    if _active is None:
+        return
+    status = _exit_request[0] if _exit_request else None
+    if status is None or (isinstance(status, int) and status == 0):
         _active.goodbye()
+    else:
+        _active.report_own_failure(f"sys.exit({clip(repr(status), 100)})")
 
 
 def _chain_excepthook():
     previous = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
-        if _active is not None and not issubclass(exc_type, KeyboardInterrupt):
-            _active.report_own_failure(exc)
-        previous(exc_type, exc, tb)
+        dog = _active
+        if dog is None or dog.failing or dog.stopped:
+            previous(exc_type, exc, tb)
+            return
+        # The full traceback first, flushed, then the report: a peer's (or a launcher's) reaction
+        # to the report may end this process, and the traceback is what explains the failure.
+        with dog.printing:
+            try:
+                previous(exc_type, exc, tb)
+            finally:
+                try:
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+            summary = describe_exception(exc_type, exc, dog.rank)
+            # An echo of a peer's death (a Horovod/Gloo error) waits for the watchdog's verdict
+            # on that peer; any other error is this rank's own story from here on.
+            echo = any(word in summary.lower() for word in _COLLECTIVE_ERROR_WORDS)
+            claimed = not echo and not (dog.failing or dog.stopped)
+            if claimed:
+                dog.failing = True
+        dog.report_own_failure(summary, bool(getattr(exc_type, "raised_on_every_rank", False)),
+                               echo=echo, claimed=claimed)
 
     sys.excepthook = excepthook
 
 
-# --- addresses ---------------------------------------------------------------------------------
-def _listen():
-    bind_host, port = "0.0.0.0", 0
-    override = os.environ.get("TFDIST_WATCHDOG_ADDR", "")
-    if override:
-        bind_host, _, port_text = override.partition(":")
-        port = int(port_text or 0)
-    try:
-        listener = socket.create_server((bind_host, port), backlog=128)
-    except OSError as e:
-        raise WatchdogError(
-            f"tfdist watchdog: rank 0 cannot listen on {bind_host}:{port}"
-            f"{' (TFDIST_WATCHDOG_ADDR)' if override else ''}: {e}"
-        ) from None
-    return listener
+def _watch_sys_exit():
+    """Wrap sys.exit to remember its status: atexit handlers cannot see the exit code."""
+    original = sys.exit
+    if getattr(original, "_tfdist_watchdog", False):
+        return
 
+    def exit(status=None):  # noqa: A001 - sys.exit's own name and signature
+        global _exit_request
+        _exit_request = (status,)
+        original(status)
 
-def _advertised_host():
-    """An address of this host that the other ranks can reach: the one Gloo itself uses."""
-    override = os.environ.get("TFDIST_WATCHDOG_ADDR", "")
-    if override and not override.startswith(("0.0.0.0", ":")):
-        return override.partition(":")[0]
-    iface = os.environ.get("HOROVOD_GLOO_IFACE")
-    if iface:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))
-            return socket.inet_ntoa(packed[20:24])  # SIOCGIFADDR
-        except OSError:
-            pass
-    rendezvous = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-    if rendezvous:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((rendezvous, 9))  # no packet is sent; picks the route's source address
-                return s.getsockname()[0]
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return socket.gethostname()
-
-
-def _broadcast_json(value):
-    """Rank 0's `value` on every rank (one fixed-size broadcast)."""
-    buffer = np.zeros([_ADDRESS_BYTES], np.uint8)
-    if collectives.rank() == 0:
-        data = json.dumps(value).encode()[:_ADDRESS_BYTES]
-        buffer[: len(data)] = np.frombuffer(data, np.uint8)
-    received = collectives.broadcast(tf.constant(buffer), 0, name="tfdist.watchdog.address")
-    return json.loads(bytes(received.numpy()).rstrip(b"\0"))
-
-
-def _read_line(sock, deadline):
-    data = b""
-    while b"\n" not in data:
-        sock.settimeout(max(deadline - time.monotonic(), 0.01))
-        chunk = sock.recv(4096)
-        if not chunk:
-            raise ValueError("connection closed before hello")
-        data += chunk
-    line, rest = data.split(b"\n", 1)
-    return json.loads(line), rest
+    exit._tfdist_watchdog = True
+    exit.__doc__ = original.__doc__
+    sys.exit = exit

@@ -9,11 +9,15 @@ Checks (default: jit,mismatch):
     structure or dataset manifest raise RankMismatchError naming the difference; identical
     setups (datasets staged at different paths included) pass;
   - nonfinite: a NaN on rank 1 only, at step 5, stops both ranks at step 5 naming rank 1
-    (StopOnNonFiniteLoss "stop" and "raise").
+    (StopOnNonFiniteLoss "stop" and "raise");
+  - watchdog_port: rank 0 cannot listen (port taken, port not a number or out of range, unknown
+    host): every rank gets the same WatchdogError, then a good address works. Run it with
+    TFDIST_WATCHDOG_TIMEOUT=0, so that HorovodStrategy starts no watchdog of its own.
 """
 
 import argparse
 import os
+import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -133,11 +137,30 @@ def nonfinite_checks(strategy, bad_step=5):
     return {"stop": train("stop"), "raise": train("raise")}
 
 
+def watchdog_port_checks(strategy):
+    from tfdist import watchdog
+
+    taken = socket.create_server(("127.0.0.1", 0))  # held open: rank 0 cannot bind this port
+    port = taken.getsockname()[1]
+    results = {"taken_port": port}
+    cases = {"taken": f"127.0.0.1:{port}", "not_a_number": "127.0.0.1:notaport",
+             "out_of_range": "127.0.0.1:70000", "unknown_host": "no-such-host.invalid:0",
+             "good": "127.0.0.1:0"}
+    for name, address in cases.items():
+        if strategy.rank == 0:  # only rank 0 reads it; the others learn the outcome from rank 0
+            os.environ["TFDIST_WATCHDOG_ADDR"] = address
+        results[name] = outcome(lambda: watchdog.start(timeout=5))
+    taken.close()
+    results["active"] = watchdog._active is not None
+    return results
+
+
 CHECKS = {
     "jit": lambda strategy, out: jit_check(strategy),
     "mismatch": lambda strategy, out: mismatch_check(strategy),
     "consistency": consistency_checks,
     "nonfinite": lambda strategy, out: nonfinite_checks(strategy),
+    "watchdog_port": lambda strategy, out: watchdog_port_checks(strategy),
 }
 
 

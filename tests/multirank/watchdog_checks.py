@@ -4,8 +4,14 @@
 
 Every rank trains a tiny model for far longer than any test waits. After step 20 each rank
 writes `DIR/ready<rank>` holding its pid, so the test knows training is under way and whom to
-kill. `--mode raise`: rank 1 raises at step 20 instead. `--mode finish`: a short run in which
-rank 1 ends first and rank 0 keeps going for 4 heartbeats; both must exit 0.
+kill or interrupt (SIGINT). Modes:
+  - raise: rank 1 raises a two-line ValueError at step 20 (with --slow_stderr S, its own
+    excepthook takes S seconds before printing the traceback, as a slow stderr would);
+  - exit: rank 1 calls sys.exit(3) at step 20;
+  - nonfinite: rank 1's batches from step 5 on hold NaNs, and
+    StopOnNonFiniteLoss(action="raise") raises NonFiniteLossError on both ranks (uncaught);
+  - finish: a short run in which rank 1 ends first and rank 0 keeps going for 4 heartbeats;
+    both must exit 0.
 """
 
 import argparse
@@ -24,6 +30,9 @@ import tfdist  # noqa: E402
 
 keras = keras_module()
 READY_STEP = 20
+NAN_STEP = 5
+FIRST_LINE = "first line: rank 1 fails at step 20"
+LAST_LINE = "second line: the real cause is injected on rank 1"
 
 
 class Milestones(keras.callbacks.Callback):
@@ -41,22 +50,39 @@ class Milestones(keras.callbacks.Callback):
         os.replace(path + ".tmp", path)
         print(f"rank {rank} (pid {os.getpid()}) reached step {batch}", flush=True)
         if self.mode == "raise" and rank == 1:
-            raise RuntimeError(f"injected failure on rank 1 at step {batch}")
+            raise ValueError(f"{FIRST_LINE}\n{LAST_LINE}")
+        if self.mode == "exit" and rank == 1:
+            sys.exit(3)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=("train", "raise", "finish"), default="train")
+    parser.add_argument("--mode", choices=("train", "raise", "exit", "nonfinite", "finish"),
+                        default="train")
+    parser.add_argument("--slow_stderr", type=float, default=0.0)
     args = parser.parse_args()
+    if args.slow_stderr and os.environ.get("HOROVOD_RANK") == "1":
+        def slow_excepthook(exc_type, exc, tb):
+            time.sleep(args.slow_stderr)
+            sys.__excepthook__(exc_type, exc, tb)
+
+        sys.excepthook = slow_excepthook  # the watchdog's hook, installed later, chains to it
     strategy = tfdist.HorovodStrategy(tuning=False)
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
-    steps = 2 * READY_STEP if args.mode == "finish" else 1_000_000
+    steps = 2 * READY_STEP if args.mode in ("finish", "nonfinite") else 1_000_000
     x = np.ones((8 * steps, 4), "float32")
-    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0, shuffle=False,
-              callbacks=[Milestones(strategy, args.out, args.mode)])
+    y = x[:, :1].copy()
+    callbacks = [Milestones(strategy, args.out, args.mode)]
+    if args.mode == "nonfinite":
+        from callbacks import StopOnNonFiniteLoss
+
+        if strategy.rank == 1:
+            y[8 * NAN_STEP:] = np.nan  # rank 1's batches from NAN_STEP on, however batches split
+        callbacks = [StopOnNonFiniteLoss(action="raise")]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
     if args.mode == "finish" and strategy.rank == 0:
         time.sleep(4)  # rank 1 has left (with a goodbye); the watchdog must not report it
     write_results(args.out, strategy.rank, {"finished": True})
