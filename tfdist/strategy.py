@@ -359,7 +359,8 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
 
 class _HorovodReplicaContext(distribute_lib.ReplicaContext):
     def __init__(self, strategy):
-        distribute_lib.ReplicaContext.__init__(self, strategy, replica_id_in_sync_group=0)
+        # The replica's global id (its rank), as MWMS numbers replicas across workers.
+        distribute_lib.ReplicaContext.__init__(self, strategy, replica_id_in_sync_group=collectives.rank())
 
     @property
     def devices(self):
