@@ -439,9 +439,7 @@ EXPECTED_BATCH_VALUES = {
 
 @pytest.mark.parametrize("op", sorted(EXPECTED_BATCH_VALUES))
 @pytest.mark.parametrize("job", JOBS)
-def test_reduce_and_gather_of_distributed_batches(job, op, tmp_path_factory, request):
-    if op == "reduce_sum_none":
-        known_difference(request, job, "strategy.reduce(axis=None) of iterator batches is local")
+def test_reduce_and_gather_of_distributed_batches(job, op, tmp_path_factory):
     for w, part in enumerate(scenario(job, "input", tmp_path_factory)):
         got = part[f"batch_values/{op}/function"]
         assert got == EXPECTED_BATCH_VALUES[op], f"worker {w}: strategy.{op} of iterator batches"

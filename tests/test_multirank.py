@@ -114,6 +114,10 @@ def test_evaluate_on_uneven_data_is_exact_global(keras_flavor, tmp_path_factory)
         assert m["evaluate_by_hand"]["count"] == 53
         for key in ("loss", "accuracy"):
             assert m["evaluate"][key] == pytest.approx(m["evaluate_by_hand"][key], rel=1e-5)
+        # 5 records at global batch 16: one batch of 5, split 3 + 2, still exact
+        assert m["tiny_by_hand"]["count"] == 5
+        for key in ("loss", "accuracy"):
+            assert m["tiny_evaluate"][key] == pytest.approx(m["tiny_by_hand"][key], rel=1e-5)
     # global accuracy over 53 records: a multiple of 1/53, and not either rank's local value
     acc = ranks[0]["metrics"]["evaluate"]["accuracy"]
     assert acc * 53 == pytest.approx(round(acc * 53), abs=1e-3)

@@ -32,7 +32,13 @@ def agree_on_tf_seed():
 
 
 def check_global_batch(dataset, size):
-    """A dataset split across `size` ranks must be batched by a global batch they divide."""
+    """Raise if `dataset` cannot be split across `size` ranks; return a warning text, or None.
+
+    Elements with no batch dimension cannot be split. A global batch that `size` does not divide
+    can (TensorFlow gives the ranks parts that differ by one, as MWMS does), and Keras makes such
+    batches itself for arrays shorter than `batch_size`. Evaluation and prediction stay exact;
+    in training, Keras' 1/num_replicas loss scaling then weights the ranks' examples unequally.
+    """
     specs = [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
     if specs and all(s.shape.rank == 0 for s in specs):
         raise ValueError(
@@ -43,10 +49,10 @@ def check_global_batch(dataset, size):
 
     batch = int(tf_data_distribute.compute_batch_size(dataset))
     if batch > 0 and batch % size:
-        raise ValueError(
-            f"HorovodStrategy cannot split a global batch of {batch} evenly across {size} ranks: "
-            f"use a global batch size divisible by {size} (e.g. {batch - batch % size or size}), or "
-            "batch per rank with HorovodStrategy(batch_convention='per_rank').")
+        return (f"a global batch of {batch} does not divide evenly across {size} ranks: ranks get "
+                f"parts that differ by one example, and training then weights examples unequally "
+                f"(as MWMS does). Use a global batch divisible by {size} for exact training steps.")
+    return None
 
 
 def is_per_rank(dataset):

@@ -161,6 +161,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         self._variable_count = 0
         self._noted_unsharded = False
         self._noted_presharded = False
+        self._noted_uneven = set()
 
     # --- variables -------------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
@@ -237,7 +238,10 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         from tensorflow.python.distribute import input_util
 
         size = collectives.size()
-        input_contract.check_global_batch(dataset, size)
+        uneven = input_contract.check_global_batch(dataset, size)
+        if uneven and uneven not in self._noted_uneven:
+            self._noted_uneven.add(uneven)
+            log.warning("tfdist: rank %d: %s", collectives.rank(), uneven)
         policy = dataset.options().experimental_distribute.auto_shard_policy
         if (not self._noted_presharded and policy != tf.data.experimental.AutoShardPolicy.OFF
                 and input_contract.is_sharded(dataset)):
@@ -293,13 +297,26 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         flat = tf.nest.flatten(value, expand_composites=False)
-        if any(isinstance(v, tf.distribute.DistributedValues) for v in flat):
-            # Only input iterators produce PerReplica values here (run() returns plain tensors);
-            # Keras reduces a data batch merely to learn its shapes. Batches may differ in shape
-            # across ranks, so keep this rank's data instead of reducing it.
-            return distribute_utils.select_replica(0, value)
-        reduced = self._batch_reduce_to(reduce_op, [(v, destinations) for v in flat], options)
-        return tf.nest.pack_sequence_as(value, reduced)
+        if not any(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+            reduced = self._batch_reduce_to(reduce_op, [(v, destinations) for v in flat], options)
+            return tf.nest.pack_sequence_as(value, reduced)
+        # Only input iterators produce PerReplica values here (run() returns plain tensors).
+        # Their parts of a partial batch may differ in shape across ranks (3 + 2), where no
+        # elementwise reduction exists; Keras 3 reduces a first batch only to learn its shapes,
+        # so such a batch keeps this rank's part. Equal shapes are reduced as under MWMS.
+        value = distribute_utils.select_replica(0, value)
+        flat = tf.nest.flatten(value, expand_composites=False)
+        if collectives.size() == 1:
+            return value
+
+        def reduce():
+            reduced = self._batch_reduce_to(reduce_op, [(v, destinations) for v in flat], options)
+            return tf.nest.pack_sequence_as(value, reduced)
+
+        agree = _shapes_agree(flat)
+        if tf.executing_eagerly():
+            return reduce() if bool(agree) else value
+        return tf.cond(agree, reduce, lambda: value)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         values = [value for value, _ in value_destination_pairs]
@@ -397,6 +414,13 @@ def _tune(options, horovod_defaults):
         print(plan.summary(), flush=True)
     log.info("tfdist tuning (rank %d): %s", collectives.rank(), plan.as_dict())
     return plan
+
+
+def _shapes_agree(tensors):
+    """Whether every rank's `tensors` have the same shapes (a collective: call it on every rank)."""
+    sizes = [tf.constant([len(tensors)], tf.int64)] + [tf.shape(t, out_type=tf.int64) for t in tensors]
+    gathered = collectives.allgather(tf.concat(sizes, 0)[None])
+    return tf.reduce_all(tf.equal(gathered, gathered[0]))
 
 
 def _describe_signature(row):

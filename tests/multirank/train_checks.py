@@ -181,12 +181,19 @@ def metric_checks(strategy, results):
                 "count": int(len(per_example)), "logits": logits}
 
     ev_by_hand = by_hand(ev_x, ev_y)
+    # Fewer records than one global batch: Keras makes a batch of 5, split 3 + 2 (a warning).
+    with strategy.scope():
+        fresh = build_model("dense", seed=5)
+        fresh.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss_fn(), metrics=["accuracy"])
+    tiny = fresh.evaluate(x[:5], y[:5], batch_size=PER_RANK_BATCH * RANKS, verbose=0, return_dict=True)
     results["metrics"] = {
         "history": {k: float(v[0]) for k, v in history.history.items()},
         "fit_steps": len(steps),
         "fit_by_hand": {k: v for k, v in by_hand(fit_x, fit_y).items() if k != "logits"},
         "evaluate": {k: float(v) for k, v in evaluated.items()},
         "evaluate_by_hand": {k: v for k, v in ev_by_hand.items() if k != "logits"},
+        "tiny_evaluate": {k: float(v) for k, v in tiny.items()},
+        "tiny_by_hand": {k: v for k, v in by_hand(x[:5], y[:5]).items() if k != "logits"},
         "predict_rows": int(len(predicted)),
         "predict_max_error": float(np.abs(predicted - ev_by_hand["logits"]).max()),
     }
