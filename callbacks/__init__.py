@@ -1,15 +1,15 @@
 """Keras callbacks for tfdist training (Keras 3, or tf-keras with TF_USE_LEGACY_KERAS=1).
 
 ```python
-from callbacks import SkippedRecordsReport
+from tfdist.callbacks import SkippedRecordsReport
 model.fit(ds, callbacks=[SkippedRecordsReport(plan.skipped)])
 ```
 """
 
-from callbacks.accumulation import accumulate_gradients
-from callbacks.checkpoint import CheckpointError, Checkpointer, latest_checkpoint
-from callbacks.lars import LARC, LARS
-from callbacks.lr_schedule import (
+from tfdist.callbacks.accumulation import accumulate_gradients
+from tfdist.callbacks.checkpoint import CheckpointError, Checkpointer, latest_checkpoint
+from tfdist.callbacks.lars import LARC, LARS
+from tfdist.callbacks.lr_schedule import (
     LearningRateLogger,
     LearningRateWarmup,
     WarmupSchedule,
@@ -17,9 +17,9 @@ from callbacks.lr_schedule import (
     scale_learning_rate,
     step_decay,
 )
-from callbacks.nonfinite import StopOnNonFiniteLoss
-from callbacks.profiling import ProfileSteps
-from callbacks.skipped_records import SkippedRecordsReport
+from tfdist.callbacks.nonfinite import StopOnNonFiniteLoss
+from tfdist.callbacks.profiling import ProfileSteps
+from tfdist.callbacks.skipped_records import SkippedRecordsReport
 
 __all__ = [
     "CheckpointError",

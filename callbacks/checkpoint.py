@@ -2,8 +2,8 @@
 
 ```python
 import tfdist
-from callbacks import Checkpointer
-from pipelines import read_dataset
+from tfdist.callbacks import Checkpointer
+from tfdist.pipelines import read_dataset
 
 strategy = tfdist.HorovodStrategy()
 checkpointer = Checkpointer("/scratch/run1/checkpoints", save_every_epochs=1, keep=2)
@@ -42,8 +42,8 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from callbacks._keras import Callback
-from tfdist import collectives
+from tfdist.callbacks._keras import Callback
+from tfdist import _compat, collectives
 from tfdist.errors import HorovodNotAvailableError, TfdistError
 
 log = logging.getLogger("tfdist")
@@ -180,7 +180,7 @@ def training_variables(model):
     if optimizer is not None:
         owned = optimizer.variables
         owned = list(owned() if callable(owned) else owned)
-        rate = getattr(optimizer, "_learning_rate", None)
+        rate = _compat.optimizer_learning_rate(optimizer)
         if isinstance(rate, tf.Variable) and not any(rate is v for v in owned):
             owned.append(rate)
         variables += owned
@@ -190,7 +190,7 @@ def training_variables(model):
 def _build_optimizer(model):
     """Create the optimizer's slots now (Keras builds them lazily), so they can be restored."""
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or getattr(optimizer, "built", False) or getattr(optimizer, "_built", False):
+    if optimizer is None or _compat.optimizer_built(optimizer):
         return
     strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
     with strategy.scope():
@@ -234,16 +234,6 @@ def _broadcast_json(value, rank, size, name):
     buffer = data if rank == 0 else np.zeros(int(length.numpy()[0]), np.uint8)
     received = collectives.broadcast(tf.constant(buffer), 0, name=f"{name}.data")
     return json.loads(received.numpy().tobytes())
-
-
-class _ResumeCounters:
-    """What tf-keras' fit asks for the epoch and step to start at (BackupAndRestore's hook)."""
-
-    def __init__(self, epoch):
-        self.epoch = epoch
-
-    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
-        return self.epoch, 0
 
 
 # --- the callback -------------------------------------------------------------------------------
@@ -326,10 +316,7 @@ class Checkpointer(Callback):
             if size > 1:
                 value = collectives.broadcast(tf.constant(value), 0, name=f"tfdist.ckpt.{i}")
             variable.assign(value)
-        if hasattr(self.model, "_maybe_load_initial_counters_from_ckpt"):  # tf-keras
-            self.model._training_state = _ResumeCounters(choice["epoch"])
-        else:  # Keras 3
-            self.model._initial_epoch = choice["epoch"]
+        _compat.set_resume_epoch(self.model, choice["epoch"])
         log.warning("tfdist checkpoint: rank %d resumed from %s (optimizer step %s); continuing at epoch %d",
                     rank, choice["path"], choice.get("step"), choice["epoch"])
 
@@ -359,7 +346,4 @@ class Checkpointer(Callback):
 
     def on_train_end(self, logs=None):
         # Resuming applies to the fit that restored; a later fit on this model starts as asked.
-        if isinstance(getattr(self.model, "_training_state", None), _ResumeCounters):
-            self.model._training_state = None
-        elif self.restored_from is not None and hasattr(self.model, "_initial_epoch"):
-            self.model._initial_epoch = None
+        _compat.clear_resume_epoch(self.model, restored=self.restored_from is not None)

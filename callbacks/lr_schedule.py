@@ -1,7 +1,7 @@
 """Large-batch learning rates: the scaling rule, gradual warmup (Goyal et al. 2017), hand-over.
 
 ```python
-from callbacks import WarmupSchedule, scale_learning_rate
+from tfdist.callbacks import WarmupSchedule, scale_learning_rate
 import keras
 lr = scale_learning_rate(0.1, global_batch_size=32 * strategy.size)      # 0.1 x global / 256
 after = keras.optimizers.schedules.CosineDecay(lr, decay_steps=90 * steps_per_epoch)
@@ -18,7 +18,8 @@ import math
 
 import numpy as np
 
-from callbacks._keras import Callback, keras_module
+from tfdist import _compat
+from tfdist.callbacks._keras import Callback, keras_module
 
 keras = keras_module()
 _schedules = keras.optimizers.schedules
@@ -150,7 +151,7 @@ class LearningRateLogger(Callback):
         if logs is None:
             return
         optimizer = self.model.optimizer
-        schedule = getattr(optimizer, "_learning_rate", None)
+        schedule = _compat.optimizer_learning_rate(optimizer)
         if isinstance(schedule, _schedules.LearningRateSchedule):
             last_step = max(int(np.asarray(optimizer.iterations)) - 1, 0)
             logs["learning_rate"] = float(np.asarray(schedule(last_step)))

@@ -1,7 +1,7 @@
 """Stop every rank at the first step whose loss is NaN or infinite, naming the step and the rank(s).
 
 ```python
-from callbacks import StopOnNonFiniteLoss
+from tfdist.callbacks import StopOnNonFiniteLoss
 stop = StopOnNonFiniteLoss(action="stop")          # or "raise": NonFiniteLossError on every rank
 model.fit(ds, epochs=3, callbacks=[stop])
 if stop.report:                                    # {"epoch", "batch", "step", "loss", "ranks", ...}
@@ -15,7 +15,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from callbacks._keras import Callback
+from tfdist.callbacks._keras import Callback
 from tfdist import collectives
 from tfdist.errors import NonFiniteLossError
 

@@ -1,7 +1,7 @@
 """Profile a range of training steps and write TensorBoard scalars, on the chief or chosen ranks.
 
 ```python
-from callbacks import ProfileSteps
+from tfdist.callbacks import ProfileSteps
 model.fit(ds, epochs=3, callbacks=[ProfileSteps("runs/resnet50", steps=(20, 25), batch_size=64)])
 ```
 
@@ -21,7 +21,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from callbacks._keras import Callback
+from tfdist.callbacks._keras import Callback
 
 
 def _rank():

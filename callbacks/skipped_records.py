@@ -8,7 +8,7 @@ model.fit(ds, steps_per_epoch=plan.steps_per_epoch, callbacks=[SkippedRecordsRep
 
 import logging
 
-from callbacks._keras import Callback
+from tfdist.callbacks._keras import Callback
 
 log = logging.getLogger("tfdist.pipelines")
 

@@ -31,7 +31,7 @@ class Progress:
 
 
 def convert(args):
-    from pipelines import writer
+    from tfdist.pipelines import writer
 
     kwargs = dict(shard_bytes=int(args.shard_mb * (1 << 20)), min_shards=args.min_shards, prefix=args.prefix)
     if os.path.isdir(args.source):
@@ -53,8 +53,8 @@ def convert(args):
 def validate(args):
     import tensorflow as tf
 
-    from pipelines import manifest as manifest_lib
-    from pipelines.reader import explain_record, read_dataset
+    from tfdist.pipelines import manifest as manifest_lib
+    from tfdist.pipelines.reader import explain_record, read_dataset
 
     manifest = manifest_lib.load(args.source)
     bad = 0

@@ -1,7 +1,7 @@
 """The manifest: a JSON file beside TFRecord shards that says exactly what they hold.
 
 ```python
-from pipelines import manifest
+from tfdist.pipelines import manifest
 m = manifest.load("/data/digits")          # a directory holding manifest.json, or the file
 m.records, [s.file for s in m.shards], m.features["label"].dtype
 ```
@@ -12,11 +12,13 @@ import hashlib
 import json
 import os
 
+from tfdist.errors import TfdistError
+
 FORMAT = "tfdist.tfrecord/1"
 FILENAME = "manifest.json"
 
 
-class ManifestError(ValueError):
+class ManifestError(TfdistError, ValueError):
     """A manifest is missing, malformed, or disagrees with the shards on disk."""
 
 

@@ -2,8 +2,8 @@
 
 ```python
 import tensorflow as tf
-from pipelines import read_dataset
-from pipelines.preprocessing import example_mapper
+from tfdist.pipelines import read_dataset
+from tfdist.pipelines.preprocessing import example_mapper
 ds, plan = read_dataset("/scratch/imagenet-train", batch_size=256, training=True,
                         augment_fn=example_mapper(training=True, dtype=tf.bfloat16))
 ```

@@ -1,7 +1,7 @@
 """Build a rank's tf.data pipeline from a manifest: shard, shuffle, interleave, parse, batch, prefetch.
 
 ```python
-from pipelines import read_dataset
+from tfdist.pipelines import read_dataset
 ds, plan = read_dataset("/scratch/digits/train", batch_size=32, input_context=ctx, training=True)
 model.fit(ds, steps_per_epoch=plan.steps_per_epoch)
 ```
@@ -21,7 +21,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from pipelines import manifest as manifest_lib
+from tfdist.pipelines import manifest as manifest_lib
 
 log = logging.getLogger("tfdist.pipelines")
 

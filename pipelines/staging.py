@@ -1,8 +1,8 @@
 """Copy a dataset's shards from shared storage to node-local disk, once per node, before training.
 
 ```python
-from pipelines import read_dataset
-from pipelines.staging import stage_dataset
+from tfdist.pipelines import read_dataset
+from tfdist.pipelines.staging import stage_dataset
 local = stage_dataset("/project/def-me/digits")   # every rank; -> $SLURM_TMPDIR/tfdist-stage/digits-<hash>
 ds, plan = read_dataset(local.directory, batch_size=32, input_context=ctx, training=True)
 ```
@@ -28,7 +28,8 @@ import shutil
 import sys
 import time
 
-from pipelines import manifest as manifest_lib
+from tfdist.errors import TfdistError
+from tfdist.pipelines import manifest as manifest_lib
 
 log = logging.getLogger("tfdist.pipelines")
 
@@ -44,7 +45,7 @@ FAILURE_MAX_AGE_S = 60
 CHUNK = 8 << 20
 
 
-class StagingError(RuntimeError):
+class StagingError(TfdistError):
     """Local rank 0 failed to stage the dataset (raised on the local ranks waiting for it)."""
 
 

@@ -1,7 +1,7 @@
 """Write datasets as sharded TFRecord files plus a manifest (large files: the first rule of HPC I/O).
 
 ```python
-from pipelines import write_arrays
+from tfdist.pipelines import write_arrays
 m = write_arrays({"image": x, "label": y}, "/scratch/digits/train", shard_bytes=16 << 20, min_shards=8)
 print(m.records, len(m.shards))
 ```
@@ -17,7 +17,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from pipelines import manifest as manifest_lib
+from tfdist.pipelines import manifest as manifest_lib
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 

@@ -1,10 +1,10 @@
 """Write scikit-learn's 8x8 handwritten digits as an image TFRecord dataset (train/ and test/).
 
     python scripts/make_digits_dataset.py /tmp/digits
-    horovodrun -np 2 --gloo python scripts/benchmark.py --model mnist_cnn --image_size 32 --num_classes 10 \\
+    horovodrun -np 2 --gloo tfdist-benchmark --model mnist_cnn --image_size 32 --num_classes 10 \\
         --data_dir /tmp/digits/train --eval_dir /tmp/digits/test --epochs 20 --target_accuracy 0.9
 
-Real data with no download, for accuracy and time-to-accuracy runs of scripts/benchmark.py: 1,797
+Real data with no download, for accuracy and time-to-accuracy runs of tfdist-benchmark: 1,797
 digits, split 80/20 (stratified, fixed seed), each upscaled to 32x32 RGB and stored as PNG bytes with
 an int64 label, through `pipelines.write_examples` (so the reader's sharding and checks apply).
 """
@@ -19,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
-from pipelines import write_examples  # noqa: E402
+from tfdist.pipelines import write_examples  # noqa: E402
 
 
 def png_examples(images, labels, size):

@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pipelines import preprocessing, read_dataset, write_arrays, write_examples  # noqa: E402
-from pipelines import manifest as manifest_lib  # noqa: E402
+from tfdist.pipelines import preprocessing, read_dataset, write_arrays, write_examples  # noqa: E402
+from tfdist.pipelines import manifest as manifest_lib  # noqa: E402
 
 
 def imagenet_like_jpeg(rng, height=350, width=400, quality=94):
@@ -89,7 +89,7 @@ def array_pipelines(manifest, batch_size):
 
 
 def _parse(manifest):
-    from pipelines.reader import parser_for
+    from tfdist.pipelines.reader import parser_for
 
     return parser_for(manifest)
 

@@ -67,8 +67,7 @@ def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):
 
 
 def test_resnet50_v15_has_the_reference_parameter_count():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from models import build_model
+    from tfdist.benchmark.models import build_model
 
     from tfdist.keras_flavour import keras_module
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from callbacks.checkpoint import (
+from tfdist.callbacks.checkpoint import (
     MARKER_FILE,
     STATE_FILE,
     CheckpointError,
@@ -143,7 +143,7 @@ def test_unit_checkpoint_of_another_model_fails_naming_it(tmp_path):
 
 
 def test_unit_epoch_with_non_finite_loss_is_not_saved(tmp_path, caplog):
-    from callbacks import StopOnNonFiniteLoss
+    from tfdist.callbacks import StopOnNonFiniteLoss
 
     model = make_model()
     x, y = make_data()
@@ -177,7 +177,7 @@ def test_unit_tests_pass_under_tf_keras():
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from pipelines import write_arrays
+    from tfdist.pipelines import write_arrays
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(RECORDS, 4)).astype("float32")

@@ -322,7 +322,7 @@ def _assert_nonfinite(ranks, bad_step=5):
 
 
 def test_nonfinite_loss_on_one_process():
-    from callbacks import StopOnNonFiniteLoss
+    from tfdist.callbacks import StopOnNonFiniteLoss
     from tfdist.keras_flavour import keras_module
 
     keras = keras_module()

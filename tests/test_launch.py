@@ -442,16 +442,15 @@ def test_sbatch_template_parses_and_asks_for_what_it_says(name):
         assert "--gres" not in opts
     text = path.read_text()
     assert "stage_dataset(sys.argv[1], local_rank=0)" in text and '--ntasks-per-node=1' in text
-    assert re.search(r'^srun --kill-on-bad-exit=1 .*"\$PY" "\$TRAIN"', text, re.M)
+    assert re.search(r'^srun --kill-on-bad-exit=1 .*"\$\{run\[@\]\}"', text, re.M)
+    assert 'run=("$PY" -m tfdist.benchmark.run)' in text and "PYTHONPATH" not in text  # an installed tfdist
 
 
 def test_sbatch_templates_run_commands_that_exist():
-    from pipelines import stage_dataset  # noqa: F401  (the staging step's import)
-    from pipelines.staging import default_local_dir  # noqa: F401
-    assert (ROOT / "scripts" / "benchmark.py").is_file()
-    help_text = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--help"],
-                               capture_output=True, text=True, cwd=ROOT, timeout=120,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    from tfdist.pipelines import stage_dataset  # noqa: F401  (the staging step's import)
+    from tfdist.pipelines.staging import default_local_dir  # noqa: F401
+    help_text = subprocess.run([sys.executable, "-m", "tfdist.benchmark.run", "--help"],
+                               capture_output=True, text=True, cwd="/", timeout=120).stdout
     for path in SBATCH.values():
         used = set(re.findall(r"(--[a-z_]+) ", re.search(r"^args=\((.*)\)$", path.read_text(), re.M).group(1) + " "))
         assert used and all(option in help_text for option in used | {"--data_dir"}), used

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from callbacks import LearningRateWarmup, WarmupSchedule, polynomial_decay, scale_learning_rate, step_decay
-from callbacks._keras import keras_module
+from tfdist.callbacks import LearningRateWarmup, WarmupSchedule, polynomial_decay, scale_learning_rate, step_decay
+from tfdist.callbacks._keras import keras_module
 
 keras = keras_module()
 
@@ -89,7 +89,7 @@ def test_momentum_correction_rescales_velocity():
 
 
 def test_logger_records_the_scheduled_rate_each_epoch():
-    from callbacks import LearningRateLogger
+    from tfdist.callbacks import LearningRateLogger
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(WarmupSchedule(0.1, warmup_steps=8)), loss="mse")

@@ -167,7 +167,7 @@ def test_misuse_fails_loudly_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("shards,mode", [(4, "file"), (3, "range"), (1, "range")])
 def test_two_ranks_read_every_record_exactly_once(tmp_path, shards, mode):
-    from pipelines import write_arrays
+    from tfdist.pipelines import write_arrays
 
     data_dir = tmp_path / f"ds{shards}"
     write_arrays({"id": np.arange(41, dtype=np.int64)}, data_dir, shard_bytes=1 << 30, min_shards=shards)

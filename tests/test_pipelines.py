@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipelines import ManifestError, load_manifest, plan_shards, read_dataset, write_arrays, write_image_folder
-from pipelines.reader import explain_record
+from tfdist.pipelines import ManifestError, load_manifest, plan_shards, read_dataset, write_arrays, write_image_folder
+from tfdist.pipelines.reader import explain_record
 
 
 def arrays(n=103):
@@ -179,7 +179,7 @@ def test_undecodable_image_names_the_file(tmp_path):
 
 
 def test_cli_converts_npz_and_validate_finds_the_bad_shard(tmp_path, capsys):
-    from pipelines.cli import main
+    from tfdist.pipelines.cli import main
 
     np.savez(tmp_path / "d.npz", x=np.arange(60, dtype=np.float32).reshape(30, 2), y=np.arange(30))
     assert main(["convert", str(tmp_path / "d.npz"), str(tmp_path / "ds"), "--min-shards", "3"]) == 0
@@ -195,7 +195,7 @@ def test_cli_converts_npz_and_validate_finds_the_bad_shard(tmp_path, capsys):
 def test_skipped_records_report_logs_each_epoch_and_resets(tmp_path, caplog):
     import keras
 
-    from callbacks import SkippedRecordsReport
+    from tfdist.callbacks import SkippedRecordsReport
 
     m = write_arrays({"x": np.ones((40, 2), np.float32), "y": np.zeros(40, np.float32)}, tmp_path / "ds", min_shards=2)
     corrupt_byte(m.path(m.shards[0]), 10, m.shards[0].records)  # 10 of shard 0's 20 records lost
@@ -220,8 +220,8 @@ def test_feature_of_another_type_names_the_records(tmp_path):
 
 
 def test_skip_corrupt_drops_only_the_bad_records(tmp_path):
-    from pipelines import manifest as manifest_lib
-    from pipelines.writer import infer_spec, serialize
+    from tfdist.pipelines import manifest as manifest_lib
+    from tfdist.pipelines.writer import infer_spec, serialize
 
     good = {"id": np.int64(0), "x": np.zeros(3, np.float32)}
     specs = infer_spec(good)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipelines import read_dataset, write_examples
-from pipelines.preprocessing import (
+from tfdist.pipelines import read_dataset, write_examples
+from tfdist.pipelines.preprocessing import (
     IMAGENET_MEAN_RGB,
     IMAGENET_STD_RGB,
     eval_preprocess,

@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from callbacks import ProfileSteps
-from callbacks._keras import keras_module
+from tfdist.callbacks import ProfileSteps
+from tfdist.callbacks._keras import keras_module
 
 keras = keras_module()
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_job
-from pipelines import ManifestError, load_manifest, write_arrays
-from pipelines.staging import FAILURE_MARKER, MARKER, StagingError, default_local_dir, stage_dataset
+from tfdist.pipelines import ManifestError, load_manifest, write_arrays
+from tfdist.pipelines.staging import FAILURE_MARKER, MARKER, StagingError, default_local_dir, stage_dataset
 
 WORKERS = ROOT / "tests" / "multirank"
 

@@ -71,7 +71,7 @@ def test_global_batch_that_cannot_be_split_is_named_and_uneven_one_warned():
 
 
 def test_reader_marks_per_rank_datasets_only(tmp_path):
-    from pipelines import read_dataset, write_arrays
+    from tfdist.pipelines import read_dataset, write_arrays
 
     write_arrays({"id": np.arange(20, dtype=np.int64)}, tmp_path / "ds", min_shards=2)
     ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=2)

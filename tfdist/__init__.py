@@ -11,6 +11,7 @@ model.fit(dataset)
 
 from tfdist.errors import (
     HorovodNotAvailableError,
+    KerasHookError,
     NonFiniteLossError,
     RankMismatchError,
     TfdistError,
@@ -20,12 +21,23 @@ from tfdist.errors import (
 from tfdist.launch import LaunchError
 
 
+# Submodules reachable as attributes (`tfdist.precision`, `tfdist.pipelines`, ...), imported on
+# first use: most import TensorFlow (seconds), which `tfdist-run` and the error classes must not wait for.
+_SUBMODULES = frozenset({
+    "benchmark", "callbacks", "collectives", "consistency", "input_contract", "keras_flavour", "launch",
+    "pipelines", "precision", "rendezvous", "run", "strategy", "tuning", "watchdog",
+})
+
+
 def __getattr__(name):
-    # HorovodStrategy imports TensorFlow (seconds); `tfdist-run` and the error classes must not wait for it.
     if name == "HorovodStrategy":
         from tfdist.strategy import HorovodStrategy
 
         return HorovodStrategy
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"tfdist.{name}")
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
 
 

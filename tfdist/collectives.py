@@ -19,6 +19,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _compat
 from tfdist.errors import HorovodNotAvailableError, XlaNotSupportedError
 
 INSTALL_HINT = (
@@ -168,11 +169,9 @@ def xla_ops_available():
 
 def check_not_in_xla(what):
     """Raise `XlaNotSupportedError` if the current trace is being compiled with XLA."""
-    from tensorflow.python.ops import control_flow_util
-
     graph = tf.compat.v1.get_default_graph()
     if (
-        control_flow_util.GraphOrParentsInXlaContext(graph)
+        _compat.in_xla_context(graph)
         and size() > 1
         and not xla_ops_available()
     ):

@@ -33,7 +33,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tfdist import collectives
+from tfdist import _compat, collectives
 from tfdist.errors import RankMismatchError
 
 _COLUMNS = 16  # fixed row width: column 0 names the items, the rest hold their hashes
@@ -147,7 +147,7 @@ def find_dataset_attribute(dataset, name, depth=0):
     if value is not None or depth > 200:
         return value
     try:
-        inputs = dataset._inputs()
+        inputs = _compat.dataset_inputs(dataset)
     except Exception:  # noqa: BLE001 - dataset kinds without inputs
         return None
     for parent in inputs:

@@ -23,6 +23,11 @@ class WatchdogError(TfdistError):
     """The liveness watchdog could not be set up (e.g. rank 0's address is unreachable)."""
 
 
+class KerasHookError(TfdistError):
+    """A Keras hook tfdist needs (global metrics, loss scaling, predict, callbacks) cannot be
+    installed on this Keras version; raised by `HorovodStrategy()`, naming the hook."""
+
+
 class NonFiniteLossError(TfdistError):
     """The training loss became NaN or infinite (raised by `callbacks.StopOnNonFiniteLoss`)."""
 

@@ -9,7 +9,7 @@ tfdist's reader already split per rank are recognised, and the ranks' shuffles a
 import numpy as np
 import tensorflow as tf
 
-from tfdist import collectives, consistency
+from tfdist import _compat, collectives, consistency
 
 
 def agree_on_tf_seed():
@@ -22,9 +22,7 @@ def agree_on_tf_seed():
     """
     if collectives.size() == 1:
         return
-    from tensorflow.python.eager import context
-
-    own = context.global_seed()
+    own = _compat.global_seed()
     candidate = own if own is not None else int(np.random.SeedSequence().generate_state(1)[0] >> 1)
     agreed = int(collectives.broadcast(tf.constant(candidate, tf.int64), 0, name="tfdist.seed").numpy())
     if own is None:
@@ -45,9 +43,7 @@ def check_global_batch(dataset, size):
             f"HorovodStrategy cannot split this dataset across {size} ranks: its elements have no "
             f"batch dimension (element_spec {dataset.element_spec}). Batch it by the global batch "
             "size, e.g. dataset.batch(per_rank_batch * strategy.num_replicas_in_sync).")
-    from tensorflow.python.data.experimental.ops import distribute as tf_data_distribute
-
-    batch = int(tf_data_distribute.compute_batch_size(dataset))
+    batch = int(_compat.compute_batch_size(dataset))
     if batch > 0 and batch % size:
         return (f"a global batch of {batch} does not divide evenly across {size} ranks: ranks get "
                 f"parts that differ by one example, and training then weights examples unequally "
@@ -63,7 +59,7 @@ def is_per_rank(dataset):
 def is_sharded(dataset):
     """Whether a shard() appears anywhere in the dataset's graph (best effort)."""
     try:
-        graph_def = dataset._as_serialized_graph().numpy()
+        graph_def = _compat.dataset_graph_def(dataset)
     except Exception:  # noqa: BLE001 - an unknown dataset type: do not warn
         return True
     return b"ShardDataset" in graph_def

@@ -17,64 +17,52 @@ rank, so they take the same decisions. Models under other strategies are untouch
 
 import functools
 import os
-import sys
 import tempfile
 
-from tfdist import collectives
-from tfdist.errors import TfdistError
-from tfdist.keras_flavour import legacy_requested
+from tfdist import _compat, collectives
+
+HOOK = "chief-only callback writes"
 
 _installed = []
 _scratch = {}
 
 
 def install():
-    """Wrap the Keras 3 callbacks; raises `TfdistError` if Keras moved them (never silent)."""
+    """Wrap the Keras 3 callbacks; raises `KerasHookError` if Keras moved them (never silent)."""
     if _installed:
         return
-    try:
-        from keras.src.callbacks.backup_and_restore import BackupAndRestore
-        from keras.src.callbacks.model_checkpoint import ModelCheckpoint
-        from keras.src.callbacks.tensorboard import TensorBoard
-    except ImportError as e:
-        import keras
-
-        raise TfdistError(
-            f"tfdist cannot install chief-only writes for Keras {keras.__version__}'s callbacks "
-            f"({e}); without them every rank would write the same checkpoint files. tfdist "
-            "supports the Keras 3 shipped with TensorFlow 2.21.") from e
-    for cls, method in ((ModelCheckpoint, "_save_model"), (BackupAndRestore, "_save_model"),
-                        (BackupAndRestore, "on_train_end"), (TensorBoard, "set_model")):
-        if not callable(getattr(cls, method, None)):
-            raise TfdistError(f"tfdist: Keras {cls.__name__} has no {method}(); cannot make its "
-                              "writes chief-only under HorovodStrategy")
-    ModelCheckpoint._save_model = _before(ModelCheckpoint._save_model, _checkpoint_to_scratch)
-    BackupAndRestore._save_model = _chief_only(BackupAndRestore._save_model)
-    BackupAndRestore.on_train_end = _chief_only(BackupAndRestore.on_train_end)
-    TensorBoard.set_model = _before(TensorBoard.set_model, _log_to_scratch, model_arg=True)
-    if "tf_keras" in sys.modules or legacy_requested():
-        _install_tf_keras()
+    ModelCheckpoint, BackupAndRestore, TensorBoard = _compat.keras3_callback_classes(HOOK)
+    save_model = _compat.KERAS3_SAVE_MODEL
+    for cls, methods in ((ModelCheckpoint, [save_model]), (BackupAndRestore, [save_model, "on_train_end"]),
+                         (TensorBoard, ["set_model"])):
+        _compat.require_methods(cls, methods, HOOK)  # all checked before any is patched
+    if _compat.tf_keras_in_use():
+        tf_keras_backup = _compat.tf_keras_backup_and_restore(HOOK)
+        _compat.require_methods(tf_keras_backup, ["on_train_begin"], HOOK, "tf_keras")
+    _compat.patch_method(ModelCheckpoint, save_model, lambda m: _before(m, _checkpoint_to_scratch), HOOK)
+    _compat.patch_method(BackupAndRestore, save_model, _chief_only, HOOK)
+    _compat.patch_method(BackupAndRestore, "on_train_end", _chief_only, HOOK)
+    _compat.patch_method(TensorBoard, "set_model", lambda m: _before(m, _log_to_scratch, model_arg=True), HOOK)
+    if _compat.tf_keras_in_use():
+        _compat.patch_method(tf_keras_backup, "on_train_begin", _allow_horovod_strategy, HOOK, "tf_keras")
     _installed.append(True)
 
 
-def _install_tf_keras():
-    from tf_keras.src.callbacks import BackupAndRestore
-
-    original = BackupAndRestore.on_train_begin
-
+def _allow_horovod_strategy(original):
+    # tf-keras' BackupAndRestore refuses strategies it does not know: add HorovodStrategy.
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
         from tfdist.strategy import HorovodStrategy
 
-        supported = getattr(self, "_supported_strategies", None)
+        supported = getattr(self, _compat.TF_KERAS_SUPPORTED_STRATEGIES, None)
         if supported is None:
-            raise TfdistError("tfdist: tf-keras BackupAndRestore has no _supported_strategies; "
-                              "cannot allow HorovodStrategy")
+            raise _compat.hook_error(HOOK, f"tf-keras BackupAndRestore has no {_compat.TF_KERAS_SUPPORTED_STRATEGIES}; "
+                                     "cannot allow HorovodStrategy", "tf_keras")
         if HorovodStrategy not in supported:
-            self._supported_strategies = tuple(supported) + (HorovodStrategy,)
+            setattr(self, _compat.TF_KERAS_SUPPORTED_STRATEGIES, tuple(supported) + (HorovodStrategy,))
         return original(self, logs)
 
-    BackupAndRestore.on_train_begin = on_train_begin
+    return on_train_begin
 
 
 def non_chief_rank(model):

@@ -12,58 +12,55 @@ only at the end, so ranks may evaluate different numbers of batches without wait
 Installed by `HorovodStrategy()`; models under other strategies are untouched.
 """
 
-import sys
 import threading
 
 import tensorflow as tf
 
-from tfdist import collectives
-from tfdist.keras_flavour import legacy_requested
+from tfdist import _compat, collectives
+
+HOOK = "global metrics"
 
 _state = threading.local()
 _installed = set()
 
 
 def install():
-    """Route `get_metrics_result` of Keras 3 and (if used) tf-keras models through `global_result`."""
-    try:
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    except ImportError:  # pragma: no cover - Keras 3 ships with TF 2.21
-        TensorFlowTrainer = None
-    if TensorFlowTrainer is not None:
-        _patch(TensorFlowTrainer, _keras3_global_result)
-    if "tf_keras" in sys.modules or legacy_requested():
-        try:
-            from tf_keras.src.engine import training as tf_keras_training
-        except ImportError:
-            return
-        _patch(tf_keras_training.Model, _tf_keras_global_result)
+    """Route `get_metrics_result` of Keras 3 and (if used) tf-keras models through `global_result`.
+
+    Raises `KerasHookError` (naming the Keras version) if a class or method moved.
+    """
+    _patch(_compat.keras3_trainer_class(HOOK), _keras3_global_result, "keras3")
+    if _compat.tf_keras_in_use():
+        _patch(_compat.tf_keras_model_class(HOOK), _tf_keras_global_result, "tf_keras")
 
 
-def _patch(model_class, global_result):
+def _patch(model_class, global_result, flavour):
     if model_class in _installed:
         return
+    _compat.require_methods(model_class, ["get_metrics_result", "test_step"], HOOK, flavour)
+
+    def wrap_get_metrics_result(local_result):
+        def get_metrics_result(self):
+            if getattr(_state, "local", False) or not _uses_horovod(self):
+                return local_result(self)
+            return global_result(self, local_result)
+
+        return get_metrics_result
+
+    def wrap_test_step(local_test_step):
+        def test_step(self, *args, **kwargs):
+            previous = getattr(_state, "local", False)
+            _state.local = True
+            try:
+                return local_test_step(self, *args, **kwargs)
+            finally:
+                _state.local = previous
+
+        return test_step
+
+    _compat.patch_method(model_class, "get_metrics_result", wrap_get_metrics_result, HOOK, flavour)
+    _compat.patch_method(model_class, "test_step", wrap_test_step, HOOK, flavour)
     _installed.add(model_class)
-    local_result = model_class.get_metrics_result
-    local_test_step = model_class.test_step
-
-    def get_metrics_result(self):
-        if getattr(_state, "local", False) or not _uses_horovod(self):
-            return local_result(self)
-        return global_result(self, local_result)
-
-    def test_step(self, *args, **kwargs):
-        previous = getattr(_state, "local", False)
-        _state.local = True
-        try:
-            return local_test_step(self, *args, **kwargs)
-        finally:
-            _state.local = previous
-
-    get_metrics_result.__doc__ = local_result.__doc__
-    test_step.__doc__ = local_test_step.__doc__
-    model_class.get_metrics_result = get_metrics_result
-    model_class.test_step = test_step
 
 
 def _uses_horovod(model):

@@ -10,50 +10,47 @@ Installed by `HorovodStrategy()`; models under other strategies, and strategies 
 `batch_convention="per_rank"`, keep Keras' per-rank behaviour.
 """
 
-import sys
-
 import tensorflow as tf
 
-from tfdist import collectives
-from tfdist.keras_flavour import legacy_requested
+from tfdist import _compat, collectives
+
+HOOK = "predict gathers rows"
 
 _installed = set()
 
 
 def install():
-    """Wrap `predict_step` of Keras 3 and (if used) tf-keras models with a cross-rank gather."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    """Wrap `predict_step` of Keras 3 and (if used) tf-keras models with a cross-rank gather.
 
-    _patch(TensorFlowTrainer)
-    if "tf_keras" in sys.modules or legacy_requested():
-        try:
-            from tf_keras.src.engine import training as tf_keras_training
-        except ImportError:
-            return
-        _patch(tf_keras_training.Model)
+    Raises `KerasHookError` (naming the Keras version) if a class or method moved.
+    """
+    _patch(_compat.keras3_trainer_class(HOOK), "keras3")
+    if _compat.tf_keras_in_use():
+        _patch(_compat.tf_keras_model_class(HOOK), "tf_keras")
 
 
-def _patch(model_class):
+def _patch(model_class, flavour):
     if model_class in _installed:
         return
+
+    def wrap(local_predict_step):
+        def predict_step(self, *args, **kwargs):
+            outputs = local_predict_step(self, *args, **kwargs)
+            if not _gathers(self):
+                return outputs
+            return tf.nest.map_structure(_gather_rows, outputs)
+
+        return predict_step
+
+    _compat.patch_method(model_class, "predict_step", wrap, HOOK, flavour)
     _installed.add(model_class)
-    local_predict_step = model_class.predict_step
-
-    def predict_step(self, *args, **kwargs):
-        outputs = local_predict_step(self, *args, **kwargs)
-        if not _gathers(self):
-            return outputs
-        return tf.nest.map_structure(_gather_rows, outputs)
-
-    predict_step.__doc__ = local_predict_step.__doc__
-    model_class.predict_step = predict_step
 
 
 def _gathers(model):
     from tfdist.strategy import HorovodStrategy
 
     strategy = getattr(model, "distribute_strategy", None)
-    return (isinstance(strategy, HorovodStrategy) and strategy.extended._global_batch_size
+    return (isinstance(strategy, HorovodStrategy) and _compat.global_batch_size(strategy.extended)
             and collectives.size() > 1)
 
 

@@ -44,7 +44,7 @@ class LaunchError(TfdistError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Topology:
+class TaskPlacement:
     """Where one task sits in the job: Horovod's rank, local and cross values, plus the node plan."""
 
     rank: int
@@ -205,7 +205,7 @@ def slurm_topology(env=None, use_scontrol=False):
                           f"{counts[node]} tasks of node {nodes[node]} (SLURM_NODEID={node})")
     # Horovod's cross communicator joins the tasks with the same local rank, one per node.
     holders = [i for i, n in enumerate(counts) if n > local_rank]
-    return Topology(rank=rank, size=size, local_rank=local_rank, local_size=counts[node],
+    return TaskPlacement(rank=rank, size=size, local_rank=local_rank, local_size=counts[node],
                     cross_rank=holders.index(node), cross_size=len(holders), node_index=node,
                     nodes=nodes, tasks_per_node=counts)
 
@@ -301,7 +301,7 @@ class LaunchInfo:
     """What `prepare()` found and did."""
 
     launcher: str
-    topology: Topology = None
+    topology: TaskPlacement = None
     address: str = None
     port: int = None
     env: dict = dataclasses.field(default_factory=dict)

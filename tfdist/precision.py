@@ -18,12 +18,13 @@ import logging
 
 import tensorflow as tf
 
-from tfdist import collectives
+from tfdist import _compat, collectives
 from tfdist.keras_flavour import keras_module
 
 log = logging.getLogger("tfdist")
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+HOOK = "rank-consistent loss scaling"
 _installed = False
 
 
@@ -87,27 +88,27 @@ def float32_softmax(logits_model, name="probabilities"):
 
 
 def install():
-    """Make Keras 3's LossScaleOptimizer decide apply/skip from all ranks' gradients."""
+    """Make Keras 3's LossScaleOptimizer decide apply/skip from all ranks' gradients.
+
+    Raises `KerasHookError` (naming the Keras version) if the class or its `check_finite` moved.
+    """
     global _installed
     if _installed:
         return
-    try:
-        from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-    except ImportError:  # pragma: no cover - Keras 3 ships with TF 2.21
-        return
+
+    def wrap(local_check):
+        def check_finite(self, grads):
+            finite = local_check(self, grads)
+            if not _under_horovod():
+                return finite
+            # One tiny allreduce that every rank issues, whatever its own gradients hold.
+            overflowed = collectives.allreduce([tf.cast(tf.logical_not(finite), tf.int32)], op="sum")[0]
+            return tf.equal(overflowed, 0)
+
+        return check_finite
+
+    _compat.patch_method(_compat.keras3_loss_scale_optimizer(HOOK), "check_finite", wrap, HOOK)
     _installed = True
-    local_check = LossScaleOptimizer.check_finite
-
-    def check_finite(self, grads):
-        finite = local_check(self, grads)
-        if not _under_horovod():
-            return finite
-        # One tiny allreduce that every rank issues, whatever its own gradients hold.
-        overflowed = collectives.allreduce([tf.cast(tf.logical_not(finite), tf.int32)], op="sum")[0]
-        return tf.equal(overflowed, 0)
-
-    check_finite.__doc__ = local_check.__doc__
-    LossScaleOptimizer.check_finite = check_finite
 
 
 def _under_horovod():

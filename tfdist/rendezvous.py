@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 
+from tfdist import _compat
 from tfdist.launch import LaunchError
 
 _SCOPE = "tfdist"  # scope of tfdist's own check-in keys, apart from Gloo's scopes
@@ -30,8 +31,7 @@ class RendezvousServer:
     """Horovod's HTTP rendezvous store on a fixed port, in a daemon thread of this process."""
 
     def __init__(self, topo, port, token):
-        from horovod.runner.common.util.hosts import SlotInfo
-        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+        SlotInfo, RendezvousHandler, RendezvousHTTPServer = _compat.rendezvous_classes()
 
         try:
             self._httpd = RendezvousHTTPServer(("", port), RendezvousHandler, 0)

@@ -20,10 +20,12 @@ import shlex
 import shutil
 import sys
 
+from tfdist.errors import TfdistError
+
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
 
 
-class UsageError(Exception):
+class UsageError(TfdistError):
     """A tfdist-run command line that cannot be launched (printed without a traceback)."""
 
 

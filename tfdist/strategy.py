@@ -24,9 +24,8 @@ import os
 import tempfile
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, distribute_utils, one_device_strategy
 
-from tfdist import collectives, consistency, input_contract, keras_callbacks, keras_metrics, keras_predict
+from tfdist import _compat, collectives, consistency, input_contract, keras_callbacks, keras_metrics, keras_predict
 from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
@@ -104,7 +103,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             check_datasets=check_consistency, global_batch=batch_convention == "global",
         )
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
-        distribute_lib.Strategy.__init__(self, extended)
+        tf.distribute.Strategy.__init__(self, extended)
         keras_metrics.install()
         keras_predict.install()
         keras_callbacks.install()
@@ -145,10 +144,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         return os.path.join(scratch, os.path.basename(os.path.normpath(str(path))))
 
     def __repr__(self):
-        return f"HorovodStrategy(rank={self.rank}, size={self.size}, device={self.extended._device!r})"
+        return f"HorovodStrategy(rank={self.rank}, size={self.size}, device={self.extended.worker_devices[0]!r})"
 
 
-class HorovodExtended(one_device_strategy.OneDeviceExtended):
+class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
     """The strategy's implementation: OneDevice placement plus Horovod collectives."""
 
     def __init__(self, container_strategy, device, compression=None, check_variables=True,
@@ -211,7 +210,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
     # --- input -----------------------------------------------------------------------------
     def _input_context(self):
         size = collectives.size()
-        return distribute_lib.InputContext(
+        return tf.distribute.InputContext(
             num_input_pipelines=size, input_pipeline_id=collectives.rank(), num_replicas_in_sync=size)
 
     def _experimental_distribute_dataset(self, dataset, options):
@@ -235,8 +234,6 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
 
     def _distribute_global_dataset(self, dataset, options):
         """As MWMS: split every global batch across ranks (rebatch), then auto-shard."""
-        from tensorflow.python.distribute import input_util
-
         size = collectives.size()
         uneven = input_contract.check_global_batch(dataset, size)
         if uneven and uneven not in self._noted_uneven:
@@ -252,7 +249,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
                 "already, as in Horovod scripts, use HorovodStrategy(batch_convention='per_rank') "
                 "or set options.experimental_distribute.auto_shard_policy = OFF.",
                 collectives.rank(), size, size)
-        return input_util.get_distributed_dataset(
+        return _compat.input_util.get_distributed_dataset(
             dataset,
             self._input_workers_with_options(options),
             self._container_strategy(),
@@ -268,8 +265,6 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
             consistency.check_dataset(dataset)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
-        from tensorflow.python.distribute import input_util
-
         context = self._input_context()
         built = []
 
@@ -277,7 +272,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
             built.append(dataset_fn(input_context))
             return built[-1]
 
-        distributed = input_util.get_distributed_datasets_from_function(
+        distributed = _compat.input_util.get_distributed_datasets_from_function(
             dataset_fn_recorded,
             self._input_workers_with_options(options),
             [context],
@@ -291,7 +286,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
     # --- replicas and collectives ----------------------------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
         # Input iterators hand over one-replica PerReplica values: unwrap them to this rank's.
-        args, kwargs = distribute_utils.select_replica(0, (args, kwargs))
+        args, kwargs = _compat.distribute_utils.select_replica(0, (args, kwargs))
         with tf.device(self._device), _HorovodReplicaContext(self._container_strategy()):
             return fn(*args, **kwargs)
 
@@ -304,7 +299,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         # Their parts of a partial batch may differ in shape across ranks (3 + 2), where no
         # elementwise reduction exists; Keras 3 reduces a first batch only to learn its shapes,
         # so such a batch keeps this rank's part. Equal shapes are reduced as under MWMS.
-        value = distribute_utils.select_replica(0, value)
+        value = _compat.distribute_utils.select_replica(0, value)
         flat = tf.nest.flatten(value, expand_composites=False)
         if collectives.size() == 1:
             return value
@@ -328,7 +323,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         )
 
     def _gather_to_implementation(self, value, destinations, axis, options):
-        value = distribute_utils.select_replica(0, value)
+        value = _compat.distribute_utils.select_replica(0, value)
         if collectives.size() == 1:
             return value
         if axis != 0:
@@ -339,7 +334,7 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         return collectives.allgather(value)
 
     def _local_results(self, value):
-        return (distribute_utils.select_replica(0, value),)
+        return (_compat.distribute_utils.select_replica(0, value),)
 
     def read_var(self, replica_local_var):
         return tf.identity(replica_local_var)
@@ -374,10 +369,10 @@ class HorovodExtended(one_device_strategy.OneDeviceExtended):
         return self._global_batch
 
 
-class _HorovodReplicaContext(distribute_lib.ReplicaContext):
+class _HorovodReplicaContext(tf.distribute.ReplicaContext):
     def __init__(self, strategy):
         # The replica's global id (its rank), as MWMS numbers replicas across workers.
-        distribute_lib.ReplicaContext.__init__(self, strategy, replica_id_in_sync_group=collectives.rank())
+        tf.distribute.ReplicaContext.__init__(self, strategy, replica_id_in_sync_group=collectives.rank())
 
     @property
     def devices(self):

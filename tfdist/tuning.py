@@ -22,6 +22,8 @@ import glob
 import logging
 import os
 
+from tfdist import _compat
+
 log = logging.getLogger("tfdist")
 
 
@@ -184,9 +186,7 @@ def apply(plan):
 
 def onednn_active():
     """Whether the loaded TensorFlow runs oneDNN kernels (on by default on some CPUs only)."""
-    from tensorflow.python.util import _pywrap_util_port
-
-    return bool(_pywrap_util_port.IsMklEnabled())
+    return _compat.onednn_enabled()
 
 
 def _read(path, default):

@@ -22,9 +22,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from callbacks import Checkpointer, WarmupSchedule, polynomial_decay  # noqa: E402
-from callbacks.checkpoint import training_variables  # noqa: E402
-from pipelines import read_dataset  # noqa: E402
+from tfdist.callbacks import Checkpointer, WarmupSchedule, polynomial_decay  # noqa: E402
+from tfdist.callbacks.checkpoint import training_variables  # noqa: E402
+from tfdist.pipelines import read_dataset  # noqa: E402
 from tfdist import collectives  # noqa: E402
 
 keras = keras_module()

@@ -62,7 +62,7 @@ def mismatch_check(strategy):
 
 
 def consistency_checks(strategy, out):
-    from pipelines import read_dataset, write_arrays
+    from tfdist.pipelines import read_dataset, write_arrays
 
     rank = strategy.rank
     results = {}
@@ -112,7 +112,7 @@ def consistency_checks(strategy, out):
 
 
 def nonfinite_checks(strategy, bad_step=5):
-    from callbacks import StopOnNonFiniteLoss
+    from tfdist.callbacks import StopOnNonFiniteLoss
 
     class Seen(keras.callbacks.Callback):
         batches = []

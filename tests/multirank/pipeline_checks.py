@@ -13,7 +13,7 @@ from common import quiet_tensorflow, write_results  # noqa: E402
 quiet_tensorflow()
 
 import tfdist  # noqa: E402
-from pipelines import read_dataset  # noqa: E402
+from tfdist.pipelines import read_dataset  # noqa: E402
 
 
 def ids_seen(strategy, data_dir, training, batch_size=4):

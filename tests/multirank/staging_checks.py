@@ -20,8 +20,8 @@ quiet_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
-from pipelines import read_dataset  # noqa: E402
-from pipelines.staging import LOCAL_RANK_VARIABLES, stage_dataset  # noqa: E402
+from tfdist.pipelines import read_dataset  # noqa: E402
+from tfdist.pipelines.staging import LOCAL_RANK_VARIABLES, stage_dataset  # noqa: E402
 
 
 class StagingStats(logging.Handler):

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from callbacks import LARC, LARS, WarmupSchedule, accumulate_gradients  # noqa: E402
+from tfdist.callbacks import LARC, LARS, WarmupSchedule, accumulate_gradients  # noqa: E402
 
 keras = keras_module()
 

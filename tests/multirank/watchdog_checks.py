@@ -77,7 +77,7 @@ def main():
     y = x[:, :1].copy()
     callbacks = [Milestones(strategy, args.out, args.mode)]
     if args.mode == "nonfinite":
-        from callbacks import StopOnNonFiniteLoss
+        from tfdist.callbacks import StopOnNonFiniteLoss
 
         if strategy.rank == 1:
             y[8 * NAN_STEP:] = np.nan  # rank 1's batches from NAN_STEP on, however batches split

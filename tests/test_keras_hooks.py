@@ -1,0 +1,131 @@
+"""tfdist's Keras hooks (tfdist/_compat.py): each is in place after `HorovodStrategy()`, on Keras 3
+and on tf-keras, and a hook whose target moved makes `HorovodStrategy()` raise, naming it.
+
+Single process, no horovodrun. Each case runs in a fresh interpreter: Keras picks its flavour at
+import time, and a broken or installed hook cannot be undone in this one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, flavor_env
+
+METRICS, PREDICT, CALLBACKS, PRECISION = (
+    "global metrics", "predict gathers rows", "chief-only callback writes", "rank-consistent loss scaling")
+
+# Run in the child: BREAK (may be empty), then HorovodStrategy(); prints one JSON line.
+CHILD = """
+import json, sys
+import keras
+{setup}
+import tfdist
+from tfdist import _compat
+from tfdist.keras_flavour import keras_module
+try:
+    tfdist.HorovodStrategy(tuning=False, watchdog=False, check_consistency=False)
+except tfdist.TfdistError as e:
+    print("RESULT " + json.dumps({{"error": type(e).__name__, "message": str(e)}}))
+    sys.exit(0)
+trainer = _compat.keras3_trainer_class("test")
+hooks = {{
+    "keras3.get_metrics_result": trainer.get_metrics_result,
+    "keras3.test_step": trainer.test_step,
+    "keras3.predict_step": trainer.predict_step,
+    "keras3.ModelCheckpoint._save_model": keras.callbacks.ModelCheckpoint._save_model,
+    "keras3.BackupAndRestore._save_model": keras.callbacks.BackupAndRestore._save_model,
+    "keras3.BackupAndRestore.on_train_end": keras.callbacks.BackupAndRestore.on_train_end,
+    "keras3.TensorBoard.set_model": keras.callbacks.TensorBoard.set_model,
+    "keras3.LossScaleOptimizer.check_finite": keras.mixed_precision.LossScaleOptimizer.check_finite,
+}}
+if _compat.tf_keras_in_use():
+    import tf_keras
+    hooks.update({{
+        "tf_keras.get_metrics_result": tf_keras.Model.get_metrics_result,
+        "tf_keras.test_step": tf_keras.Model.test_step,
+        "tf_keras.predict_step": tf_keras.Model.predict_step,
+        "tf_keras.BackupAndRestore.on_train_begin": tf_keras.callbacks.BackupAndRestore.on_train_begin,
+    }})
+print("RESULT " + json.dumps({{"hooks": {{k: _compat.hook_of(v) for k, v in hooks.items()}},
+                                "keras_module": keras_module().__name__}}))
+"""
+
+
+def run_child(setup="", flavor="keras3"):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **flavor_env(flavor)}
+    out = subprocess.run([sys.executable, "-c", CHILD.format(setup=setup)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+KERAS3_HOOKS = {
+    "keras3.get_metrics_result": METRICS,
+    "keras3.test_step": METRICS,
+    "keras3.predict_step": PREDICT,
+    "keras3.ModelCheckpoint._save_model": CALLBACKS,
+    "keras3.BackupAndRestore._save_model": CALLBACKS,
+    "keras3.BackupAndRestore.on_train_end": CALLBACKS,
+    "keras3.TensorBoard.set_model": CALLBACKS,
+    "keras3.LossScaleOptimizer.check_finite": PRECISION,
+}
+TF_KERAS_HOOKS = {
+    "tf_keras.get_metrics_result": METRICS,
+    "tf_keras.test_step": METRICS,
+    "tf_keras.predict_step": PREDICT,
+    "tf_keras.BackupAndRestore.on_train_begin": CALLBACKS,
+}
+
+
+def test_hooks_in_place_on_keras3():
+    result = run_child()
+    assert result["hooks"] == KERAS3_HOOKS
+
+
+def test_hooks_in_place_on_tf_keras():
+    result = run_child(flavor="tf_keras")
+    assert result["keras_module"] == "tf_keras"
+    assert result["hooks"] == {**KERAS3_HOOKS, **TF_KERAS_HOOKS}
+
+
+# (case, flavour, setup code that breaks a hook's target, the hook named, the Keras named)
+BROKEN = [
+    ("metrics method gone", "keras3",
+     "from keras.src.trainers.trainer import Trainer\ndel Trainer.get_metrics_result", METRICS, "keras "),
+    ("trainer class not found", "keras3",
+     "from keras.src.backend.tensorflow.trainer import TensorFlowTrainer\n"
+     "TensorFlowTrainer.__name__ = 'RenamedTrainer'", METRICS, "keras "),
+    ("predict_step gone", "keras3",
+     "from keras.src.backend.tensorflow.trainer import TensorFlowTrainer\ndel TensorFlowTrainer.predict_step",
+     PREDICT, "keras "),
+    ("ModelCheckpoint._save_model gone", "keras3",
+     "del keras.callbacks.ModelCheckpoint._save_model", CALLBACKS, "keras "),
+    ("LossScaleOptimizer gone", "keras3",
+     "del keras.mixed_precision.LossScaleOptimizer", PRECISION, "keras "),
+    ("check_finite gone", "keras3",
+     "del keras.mixed_precision.LossScaleOptimizer.check_finite", PRECISION, "keras "),
+    ("tf_keras import fails", "tf_keras",  # after Horovod's own import of it
+     "import horovod.tensorflow\nsys.modules['tf_keras'] = None  # `import tf_keras` raises ImportError",
+     METRICS, "tf_keras "),
+    ("tf_keras predict_step gone", "tf_keras",
+     "import tf_keras\ndel tf_keras.Model.predict_step", PREDICT, "tf_keras 2."),
+]
+
+
+@pytest.mark.parametrize("case,flavor,setup,hook,keras_name", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_hook_target_raises_naming_it(case, flavor, setup, hook, keras_name):
+    result = run_child(setup, flavor)
+    assert result.get("error") == "KerasHookError", result
+    message = result["message"]
+    assert repr(hook) in message, message
+    assert keras_name in message and "checked against" in message, message
+
+
+def test_keras_hook_error_is_exported():
+    import tfdist
+
+    assert issubclass(tfdist.KerasHookError, tfdist.TfdistError)

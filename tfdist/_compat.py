@@ -1,0 +1,238 @@
+"""Every private TensorFlow, Keras and Horovod internal that tfdist uses, in one place.
+
+Checked against: TensorFlow 2.21.0, Keras 3.15.1 (as shipped with TensorFlow 2.21), tf-keras
+2.21.0 and Horovod 0.28.1. After an upgrade of any of them, this module (and
+tests/test_keras_hooks.py, which checks every Keras hook) is what to re-check.
+
+Other tfdist modules reach these internals only through the names below:
+
+- TensorFlow (lazy, so that `tfdist-run` never imports TensorFlow): the `tensorflow.python`
+  modules `distribute_utils`, `one_device_strategy` and `input_util`, which `HorovodStrategy` is
+  built from, and `global_batch_size`; `in_xla_context`, `global_seed`, `compute_batch_size`,
+  `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`.
+  (`HorovodExtended` also overrides `StrategyExtended`'s private methods, `_create_variable`,
+  `_experimental_distribute_dataset`, `_call_for_each_replica`, `_reduce_to`, ...: that is how a
+  `tf.distribute.Strategy` is implemented, and they cannot live anywhere but in its class. Likewise
+  `tfdist.callbacks.lars` subclasses optimizers through each Keras' subclassing API: `_var_key`, ...)
+- Keras: the classes tfdist patches (found through public names where one exists), the private
+  methods it patches (`KERAS3_SAVE_MODEL`, `TF_KERAS_SUPPORTED_STRATEGIES`), `patch_method`, which
+  installs a hook or raises `KerasHookError` naming the Keras version and the hook, and private
+  optimizer and model state (`optimizer_learning_rate`, `optimizer_built`, `set_resume_epoch`).
+- Horovod: its rendezvous HTTP server and slot plan (`horovod.runner`), in `rendezvous_classes`.
+"""
+
+import importlib
+import sys
+
+from tfdist.errors import KerasHookError
+from tfdist.keras_flavour import legacy_requested
+
+CHECKED_AGAINST = "TensorFlow 2.21.0, Keras 3.15.1, tf-keras 2.21.0, Horovod 0.28.1"
+
+# --- TensorFlow -----------------------------------------------------------------------------------
+
+_TF_MODULES = {
+    "distribute_utils": "tensorflow.python.distribute.distribute_utils",
+    "one_device_strategy": "tensorflow.python.distribute.one_device_strategy",
+    "input_util": "tensorflow.python.distribute.input_util",
+}
+
+
+def __getattr__(name):
+    # `_compat.distribute_lib` etc. import TensorFlow only when first used.
+    if name in _TF_MODULES:
+        module = importlib.import_module(_TF_MODULES[name])
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'tfdist._compat' has no attribute {name!r}")
+
+
+def in_xla_context(graph):
+    """Whether `graph` (or a graph it is nested in) is being compiled with XLA."""
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def global_seed():
+    """The global TensorFlow seed set by `tf.random.set_seed`, or None."""
+    from tensorflow.python.eager import context
+
+    return context.global_seed()
+
+
+def compute_batch_size(dataset):
+    """The batch size tf.distribute infers for `dataset` (-1 if unknown)."""
+    from tensorflow.python.data.experimental.ops import distribute as tf_data_distribute
+
+    return tf_data_distribute.compute_batch_size(dataset)
+
+
+def onednn_enabled():
+    """Whether the loaded TensorFlow runs oneDNN kernels."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def global_batch_size(extended):
+    """`StrategyExtended._global_batch_size`: whether batches handed to Keras are global (split
+    across replicas) rather than per replica; tf-keras' data adapter reads it too."""
+    return extended._global_batch_size
+
+
+def dataset_inputs(dataset):
+    """The datasets `dataset` is built from (raises for dataset kinds without inputs)."""
+    return dataset._inputs()
+
+
+def dataset_graph_def(dataset):
+    """The serialized GraphDef (bytes) of `dataset`."""
+    return dataset._as_serialized_graph().numpy()
+
+
+# --- Keras: the classes tfdist patches ----------------------------------------------------------
+
+KERAS3_SAVE_MODEL = "_save_model"  # ModelCheckpoint / BackupAndRestore method that writes files
+TF_KERAS_SUPPORTED_STRATEGIES = "_supported_strategies"  # tf-keras BackupAndRestore attribute
+
+
+def keras_version(flavour="keras3"):
+    name = "tf_keras" if flavour == "tf_keras" else "keras"
+    try:
+        return f"{name} {importlib.import_module(name).__version__}"
+    except (ImportError, AttributeError):
+        return f"{name} (version unknown: not importable)"
+
+
+def hook_error(hook, detail, flavour="keras3"):
+    return KerasHookError(
+        f"tfdist cannot install its {hook!r} hook on {keras_version(flavour)}: {detail}. Keras moved "
+        f"or changed what tfdist patches; tfdist was checked against {CHECKED_AGAINST}.")
+
+
+def tf_keras_in_use():
+    """Whether tf-keras hooks are needed: tf-keras is imported, or TF_USE_LEGACY_KERAS asks for it."""
+    return "tf_keras" in sys.modules or legacy_requested()
+
+
+def _import(name, hook, flavour):
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise hook_error(hook, f"import {name} failed ({e})", flavour) from e
+
+
+def keras3_trainer_class(hook):
+    """Keras 3's TensorFlow trainer: the base of the public `keras.Model` that runs train/test/predict steps."""
+    keras = _import("keras", hook, "keras3")
+    for cls in keras.Model.__mro__:
+        if cls.__name__ == "TensorFlowTrainer":
+            return cls
+    raise hook_error(hook, "keras.Model has no TensorFlowTrainer base (is the backend TensorFlow?)")
+
+
+def tf_keras_model_class(hook):
+    return _import("tf_keras", hook, "tf_keras").Model
+
+
+def keras3_loss_scale_optimizer(hook):
+    keras = _import("keras", hook, "keras3")
+    cls = getattr(getattr(keras, "mixed_precision", None), "LossScaleOptimizer", None)
+    if cls is None:
+        raise hook_error(hook, "keras.mixed_precision.LossScaleOptimizer does not exist")
+    return cls
+
+
+def keras3_callback_classes(hook):
+    """Keras 3's (ModelCheckpoint, BackupAndRestore, TensorBoard)."""
+    callbacks = _import("keras", hook, "keras3").callbacks
+    names = ("ModelCheckpoint", "BackupAndRestore", "TensorBoard")
+    missing = [n for n in names if not hasattr(callbacks, n)]
+    if missing:
+        raise hook_error(hook, f"keras.callbacks has no {', '.join(missing)}")
+    return tuple(getattr(callbacks, n) for n in names)
+
+
+def tf_keras_backup_and_restore(hook):
+    cls = getattr(_import("tf_keras", hook, "tf_keras").callbacks, "BackupAndRestore", None)
+    if cls is None:
+        raise hook_error(hook, "tf_keras.callbacks has no BackupAndRestore", "tf_keras")
+    return cls
+
+
+def require_methods(cls, names, hook, flavour="keras3"):
+    """Raise `KerasHookError` unless `cls` has every method in `names`."""
+    missing = [n for n in names if not callable(getattr(cls, n, None))]
+    if missing:
+        raise hook_error(hook, f"{cls.__module__}.{cls.__name__} has no {', '.join(m + '()' for m in missing)}",
+                         flavour)
+
+
+def patch_method(cls, name, make_wrapper, hook, flavour="keras3"):
+    """Replace `cls.name` by `make_wrapper(original)`, marked with the hook's name.
+
+    Raises `KerasHookError` naming the hook and the Keras version if `cls` has no such method.
+    """
+    require_methods(cls, [name], hook, flavour)
+    original = getattr(cls, name)
+    wrapper = make_wrapper(original)
+    if wrapper.__doc__ is None:
+        wrapper.__doc__ = original.__doc__
+    wrapper.tfdist_hook = hook
+    wrapper.tfdist_original = original
+    setattr(cls, name, wrapper)
+
+
+def hook_of(method):
+    """The name of the tfdist hook installed as `method`, or None."""
+    return getattr(method, "tfdist_hook", None)
+
+
+# --- Keras: private optimizer and model state -----------------------------------------------------
+
+def optimizer_learning_rate(optimizer):
+    """The learning rate as the optimizer stores it (a schedule, a variable or a float), or None."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def optimizer_built(optimizer):
+    """Whether the optimizer has created its slots (`built` in Keras 3, `_built` in tf-keras)."""
+    return bool(getattr(optimizer, "built", False) or getattr(optimizer, "_built", False))
+
+
+class _ResumeCounters:
+    """What tf-keras' fit asks for the epoch and step to start at (BackupAndRestore's hook)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
+        return self.epoch, 0
+
+
+def set_resume_epoch(model, epoch):
+    """Make the running `fit` of `model` continue at `epoch` (called from on_train_begin)."""
+    if hasattr(model, "_maybe_load_initial_counters_from_ckpt"):  # tf-keras
+        model._training_state = _ResumeCounters(epoch)
+    else:  # Keras 3
+        model._initial_epoch = epoch
+
+
+def clear_resume_epoch(model, restored):
+    """Undo `set_resume_epoch` at the end of that fit (`restored`: whether it was called)."""
+    if isinstance(getattr(model, "_training_state", None), _ResumeCounters):
+        model._training_state = None
+    elif restored and hasattr(model, "_initial_epoch"):
+        model._initial_epoch = None
+
+
+# --- Horovod ------------------------------------------------------------------------------------
+
+def rendezvous_classes():
+    """Horovod runner's (SlotInfo, RendezvousHandler, RendezvousHTTPServer), as horovodrun uses them."""
+    from horovod.runner.common.util.hosts import SlotInfo
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+    return SlotInfo, RendezvousHandler, RendezvousHTTPServer
+

@@ -1,0 +1,306 @@
+"""tf_cnn_benchmarks-style training throughput: ResNet50 (and smaller models) with tfdist or peers.
+
+    horovodrun -np 2 --gloo tfdist-benchmark --model resnet50 --batch_size 32
+    tfdist-benchmark --variable_update none          # one process, TF defaults
+
+Prints a header (hardware, versions, precision, global batch, data, tuning), per-interval
+`images/sec: X +/- Y (jitter = Z)` and `total images/sec` with warm-up batches excluded, and
+writes every step time to --json. With --data_dir (TFRecords written by pipelines) the input
+pipeline is included in the timing. With --epochs, it trains whole epochs of --data_dir instead,
+evaluates on --eval_dir after each one, and reports the final test accuracy and the wall time to
+reach --target_accuracy (stopping there).
+
+--variable_update:
+  tfdist   HorovodStrategy + model.fit (Keras 3, or tf-keras with --keras tf_keras)
+  horovod  Horovod's documented TF2 loop: hvd.DistributedGradientTape + hvd.broadcast_variables,
+           on a tf-keras model (Horovod's own Keras layer fails on both Keras flavours with TF 2.21)
+  mwms     tf.distribute.MultiWorkerMirroredStrategy + tf-keras model.fit (its fit fails on Keras 3,
+           keras-team/keras#20585); workers from TF_CONFIG, or derived from horovodrun's environment
+           (ranks on one host, ports after Horovod's rendezvous port) when TF_CONFIG is unset
+  none     one process, plain model.fit, TensorFlow's default threading (the baseline)
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+from tfdist.benchmark.models import MODELS, build_model
+
+PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+PARSER.add_argument("--model", default="resnet50", choices=MODELS)
+PARSER.add_argument("--batch_size", type=int, default=32, help="per replica")
+PARSER.add_argument("--image_size", type=int, default=224)
+PARSER.add_argument("--num_classes", type=int, default=1000)
+PARSER.add_argument("--num_warmup_batches", type=int, default=2)
+PARSER.add_argument("--num_batches", type=int, default=10)
+PARSER.add_argument("--display_every", type=int, default=5)
+PARSER.add_argument("--data_dir", help="TFRecord dataset (pipelines manifest); default: synthetic")
+PARSER.add_argument("--eval_dir", help="TFRecord test set for --epochs: accuracy after every epoch")
+PARSER.add_argument("--epochs", type=int, help="train whole epochs of --data_dir (instead of --num_batches)")
+PARSER.add_argument("--target_accuracy", type=float, help="with --epochs: stop once test accuracy reaches it")
+PARSER.add_argument("--learning_rate", type=float, default=0.01, help="per replica (scaled by the replica count)")
+PARSER.add_argument("--precision", default="float32", help="float32, mixed_float16, mixed_bfloat16 or auto")
+PARSER.add_argument("--xla", action="store_true", help="jit_compile the train step (one rank only)")
+PARSER.add_argument("--num_intra_threads", type=int)
+PARSER.add_argument("--num_inter_threads", type=int)
+PARSER.add_argument("--variable_update", default="tfdist", choices=["tfdist", "horovod", "mwms", "none"])
+PARSER.add_argument("--keras", default="keras3", choices=["keras3", "tf_keras"])
+PARSER.add_argument("--no_tuning", action="store_true", help="tfdist: HorovodStrategy(tuning=False)")
+PARSER.add_argument("--onednn", choices=["default", "on", "off"], default="default",
+                    help="TF_ENABLE_ONEDNN_OPTS before TensorFlow loads (default: leave it as TF/tuning decide)")
+PARSER.add_argument("--horovod_cycle_time_ms", type=float, help="Horovod's background cycle (tfdist, horovod)")
+PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
+                    "summarise with scripts/profile_summary.py. Those steps run slower: compare profiles, not speeds")
+PARSER.add_argument("--json", help="write the result (every step time) here (rank 0)")
+
+
+def input_dataset(args, input_context=None, training=True):
+    from tfdist.pipelines import preprocessing, read_dataset
+
+    if not args.data_dir:
+        ds = preprocessing.synthetic_dataset(args.batch_size, image_size=args.image_size,
+                                             num_classes=args.num_classes)
+        return ds, "synthetic (one batch made once, no I/O)", None
+    mapper = preprocessing.example_mapper(training=training, image_size=args.image_size)
+    source = args.data_dir if training else args.eval_dir
+    ds, plan = read_dataset(source, args.batch_size, input_context=input_context, training=training,
+                            augment_fn=mapper)
+    return ds, f"{source} ({plan.records} records/rank, mode={plan.mode})", plan
+
+
+class StepTimer:
+    """Wall time of every step, the step's loss fetched so the step has really finished."""
+
+    def __init__(self):
+        self.times, self._start = [], None
+
+    def begin(self):
+        self._start = time.perf_counter()
+
+    def end(self, loss):
+        float(loss)
+        self.times.append(time.perf_counter() - self._start)
+
+
+def report(args, timer, global_batch, rank):
+    timed = timer.times[args.num_warmup_batches:]
+    speeds = [global_batch / t for t in timed]
+    if rank == 0:
+        for start in range(0, len(speeds), args.display_every):
+            chunk = speeds[start : start + args.display_every]
+            mean = statistics.mean(chunk)
+            std = statistics.pstdev(chunk) if len(chunk) > 1 else 0.0
+            mad = statistics.median([abs(s - statistics.median(chunk)) for s in chunk])
+            print(f"{start + len(chunk)}\timages/sec: {mean:.2f} +/- {std:.2f} (jitter = {mad:.2f})")
+        print(f"total images/sec: {len(timed) * global_batch / sum(timed):.2f}")
+    return len(timed) * global_batch / sum(timed)
+
+
+def run_keras_fit(args, keras, strategy, rank):
+    """model.fit under `strategy` (None: no strategy); returns (timer, data source, accuracy log)."""
+    import contextlib
+
+    timer = StepTimer()
+
+    class Timing(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            timer.begin()
+
+        def on_train_batch_end(self, batch, logs=None):
+            timer.end(logs["loss"])
+
+    replicas = strategy.num_replicas_in_sync if strategy else 1
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = build_model(keras, args.model, args.image_size, args.num_classes)
+        model.compile(optimizer=keras.optimizers.SGD(args.learning_rate * replicas, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", jit_compile=args.xla,
+                      metrics=["accuracy"] if args.epochs else None)
+    train, source, plan = distributed_input(args, strategy, training=True)
+    fit_callbacks = [Timing()]
+    if args.profile_dir:
+        from tfdist.callbacks import ProfileSteps
+
+        first = args.num_warmup_batches
+        fit_callbacks.append(ProfileSteps(args.profile_dir, steps=(first, first + min(3, args.num_batches)),
+                                      batch_size=args.batch_size))
+    if not args.epochs:
+        steps = args.num_warmup_batches + args.num_batches
+        model.fit(train, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=fit_callbacks)
+        return timer, source, None
+    test = distributed_input(args, strategy, training=False)[0] if args.eval_dir else None
+    history, start = [], time.perf_counter()
+    for epoch in range(args.epochs):
+        model.fit(train, steps_per_epoch=plan.steps_per_epoch, initial_epoch=epoch, epochs=epoch + 1,
+                  verbose=0, callbacks=fit_callbacks)
+        accuracy = float(model.evaluate(test, verbose=0, return_dict=True)["accuracy"]) if test else None
+        history.append({"epoch": epoch + 1, "test_accuracy": accuracy, "seconds": time.perf_counter() - start})
+        if rank == 0:
+            print(f"epoch {epoch + 1}: test accuracy {accuracy}  ({history[-1]['seconds']:.1f} s)", flush=True)
+        if args.target_accuracy and accuracy is not None and accuracy >= args.target_accuracy:
+            break
+    return timer, source, history
+
+
+def distributed_input(args, strategy, training):
+    if strategy is None:
+        return input_dataset(args, training=training)
+    found = []
+
+    def dataset_fn(ctx):
+        found.append(input_dataset(args, ctx, training=training))
+        return found[-1][0]
+
+    ds = strategy.distribute_datasets_from_function(dataset_fn)
+    return ds, found[0][1], found[0][2]
+
+
+def run_horovod_loop(args, keras):
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    model = build_model(keras, args.model, args.image_size, args.num_classes)
+    optimizer = keras.optimizers.SGD(args.learning_rate * hvd.size(), momentum=0.9)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    ds, source, _ = input_dataset(args)
+
+    @tf.function
+    def step(images, labels, first):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if first:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(optimizer.variables(), root_rank=0)
+        return loss
+
+    timer = StepTimer()
+    for i, (images, labels) in enumerate(ds.take(args.num_warmup_batches + args.num_batches)):
+        timer.begin()
+        timer.end(step(images, labels, i == 0))
+    return timer, source, None
+
+
+def mwms_tf_config():
+    """TF_CONFIG for MultiWorkerMirroredStrategy: as set, or one worker per horovodrun rank on this host."""
+    if "TF_CONFIG" in os.environ or "HOROVOD_RANK" not in os.environ:
+        return
+    size, rank = int(os.environ["HOROVOD_SIZE"]), int(os.environ["HOROVOD_RANK"])
+    if int(os.environ.get("HOROVOD_LOCAL_SIZE", size)) != size:
+        sys.exit("--variable_update mwms derives TF_CONFIG for ranks on one host only; set TF_CONFIG "
+                 "for multi-host runs")
+    base = int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "23450")) + 1
+    workers = [f"localhost:{base + i}" for i in range(size)]
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
+
+
+def start(args):
+    """Create the strategy of --variable_update; returns (keras, strategy, tuning text, size, rank)."""
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.keras_flavour import keras_module
+
+    keras = keras_module()
+    if args.variable_update == "tfdist":
+        overrides = {k: v for k, v in (("intra_op_threads", args.num_intra_threads),
+                                       ("inter_op_threads", args.num_inter_threads)) if v}
+        knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
+        strategy = tfdist.HorovodStrategy(precision=args.precision, horovod=knobs,
+                                          tuning=False if args.no_tuning else (overrides or True))
+        tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
+        return keras, strategy, tuning, strategy.size, strategy.rank
+    _set_threads(tf, args)
+    tuning = (f"TensorFlow defaults, except intra_op={args.num_intra_threads} inter_op={args.num_inter_threads}"
+              if args.num_intra_threads or args.num_inter_threads else "TensorFlow defaults")
+    if args.precision != "float32":
+        keras.mixed_precision.set_global_policy(args.precision)
+    if args.variable_update == "horovod":
+        import horovod.tensorflow as hvd
+
+        if args.horovod_cycle_time_ms:
+            os.environ["HOROVOD_CYCLE_TIME"] = str(args.horovod_cycle_time_ms)
+        hvd.init()
+        return keras, None, tuning, hvd.size(), hvd.rank()
+    if args.variable_update == "mwms":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        resolver = strategy.cluster_resolver
+        return keras, strategy, tuning, strategy.num_replicas_in_sync, resolver.task_id or 0
+    return keras, None, tuning, 1, 0
+
+
+def _set_threads(tf, args):
+    if args.num_intra_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.num_intra_threads)
+    if args.num_inter_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(args.num_inter_threads)
+
+
+def main():
+    args = PARSER.parse_args()
+    if args.variable_update in ("horovod", "mwms"):
+        args.keras = "tf_keras"
+    if args.epochs and not args.data_dir:
+        PARSER.error("--epochs needs --data_dir (a real dataset to reach an accuracy on)")
+    if args.epochs and args.variable_update in ("horovod", "mwms"):
+        PARSER.error(f"--epochs (accuracy runs) is for --variable_update tfdist or none, not {args.variable_update}")
+    os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.onednn != "default":
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"
+    if args.variable_update == "mwms":
+        mwms_tf_config()
+
+    import tensorflow as tf
+
+    from tfdist.tuning import onednn_active
+
+    keras, strategy, tuning, size, rank = start(args)
+    global_batch = args.batch_size * size
+    if rank == 0:
+        import horovod
+
+        print(f"Model: {args.model}  Keras: {keras.__name__} {keras.__version__}  TF: {tf.__version__}  "
+              f"Horovod: {horovod.__version__}")
+        print(f"Hardware: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+              f"GPUs: {len(tf.config.list_physical_devices('GPU'))}")
+        print(f"Mode: {args.variable_update}  ranks: {size}  batch/replica: {args.batch_size}  "
+              f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  "
+              f"xla: {args.xla}")
+        print(f"Data: {args.data_dir or 'synthetic (one batch made once, no I/O)'}")
+        print(f"Tuning: {tuning}  (oneDNN kernels: {'on' if onednn_active() else 'off'})")
+        print(f"Warm-up batches (excluded): {args.num_warmup_batches}, timed batches: "
+              f"{f'{args.epochs} epoch(s)' if args.epochs else args.num_batches}", flush=True)
+
+    if args.variable_update == "horovod":
+        timer, source, history = run_horovod_loop(args, keras)
+    else:
+        timer, source, history = run_keras_fit(args, keras, strategy, rank)
+    total = report(args, timer, global_batch, rank)
+    result = {"args": vars(args), "ranks": size, "global_batch": global_batch,
+              "total_images_per_sec": total, "step_seconds": timer.times,
+              "data": source, "tuning": tuning, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if history is not None:
+        result.update(accuracy_summary(args, history))
+        if rank == 0:
+            print(f"final test accuracy: {result['final_test_accuracy']}  time to "
+                  f"{args.target_accuracy}: {result['seconds_to_target']}")
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def accuracy_summary(args, history):
+    reached = [h for h in history if args.target_accuracy and (h["test_accuracy"] or 0) >= args.target_accuracy]
+    return {"epochs": history, "final_test_accuracy": history[-1]["test_accuracy"],
+            "target_accuracy": args.target_accuracy,
+            "seconds_to_target": round(reached[0]["seconds"], 1) if reached else None}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Run tfdist-benchmark for several configurations side by side and tabulate them.
+
+    tfdist-scaling --ranks 1 2 --modes none tfdist horovod --repeats 3 \\
+        --global_batch 16 -- --model resnet50 --num_batches 6
+
+Every configuration runs once per repeat, in alternating order, so a noisy shared machine
+affects all of them alike. Each (mode, ranks) keeps the same global batch (per-replica batch =
+global / ranks). Writes a markdown table (median, min, max images/s, and efficiency against the
+1-rank run of the same mode), a PNG plot (median with min-max bars per mode, against ranks) and
+a JSON file with every run. Modes tfdist, horovod and mwms run under horovodrun (mwms derives
+its TF_CONFIG from it); none runs as one plain process.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BIN = os.path.dirname(sys.executable)
+
+
+def run_one(mode, ranks, global_batch, extra, out_json):
+    """One benchmark run; `mode` is a --variable_update value, optionally ':tf_keras' or ':keras3',
+    optionally followed by benchmark options of its own: "tfdist --num_inter_threads 2"."""
+    mode, *own_args = shlex.split(mode)
+    mode, _, flavour = mode.partition(":")
+    flavour_args = ["--keras", flavour] if flavour else []
+    bench = [sys.executable, "-m", "tfdist.benchmark.run", "--variable_update", mode, *flavour_args,
+             "--batch_size", str(global_batch // ranks), "--json", out_json, *extra, *own_args]
+    command = bench if mode == "none" else [os.path.join(BIN, "horovodrun"), "-np", str(ranks), "--gloo", *bench]
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        sys.exit(f"benchmark failed (exit {done.returncode}): {' '.join(command)}\n{done.stdout[-4000:]}")
+    with open(out_json) as f:
+        return json.load(f)["total_images_per_sec"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", nargs="+", default=["none", "tfdist", "horovod"],
+                        help="--variable_update values, optionally with a Keras flavour (tfdist:tf_keras) "
+                             "and options of their own (quoted: 'tfdist --no_tuning')")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--global_batch", type=int, default=32)
+    parser.add_argument("--out", default="scaling")
+    parser.add_argument("extra", nargs="*", help="after --: arguments for tfdist-benchmark")
+    args = parser.parse_args()
+    configs = [(m, r) for m in args.modes for r in args.ranks if not (m.startswith("none") and r > 1)]
+    runs = {f"{m}/{r}": [] for m, r in configs}
+    scratch = tempfile.mkdtemp(prefix="tfdist-scaling-")
+    for repeat in range(args.repeats):
+        order = configs if repeat % 2 == 0 else configs[::-1]
+        for mode, ranks in order:
+            rate = run_one(mode, ranks, args.global_batch, args.extra, os.path.join(scratch, "r.json"))
+            runs[f"{mode}/{ranks}"].append(rate)
+            print(f"repeat {repeat + 1}: {mode:24s} {ranks} rank(s): {rate:8.2f} images/s", flush=True)
+    lines = ["| mode | ranks | global batch | median images/s | min | max | vs 1 rank of this mode |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, ranks in configs:
+        rates = runs[f"{mode}/{ranks}"]
+        base = runs.get(f"{mode}/1")
+        ratio = f"{statistics.median(rates) / statistics.median(base):.2f}x" if base else "-"
+        lines.append(f"| {mode} | {ranks} | {args.global_batch} | {statistics.median(rates):.2f} | "
+                     f"{min(rates):.2f} | {max(rates):.2f} | {ratio} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    with open(f"{args.out}.md", "w") as f:
+        f.write(table + "\n")
+    with open(f"{args.out}.json", "w") as f:
+        json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "runs": runs, "args": vars(args)}, f, indent=1)
+    plot(runs, configs, args, f"{args.out}.png")
+
+
+def plot(runs, configs, args, path):
+    """Median images/s per mode against ranks, min-max as error bars."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no PNG plot: matplotlib is not installed (scripts/bootstrap.sh installs it)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in dict.fromkeys(m for m, _ in configs):
+        ranks = [r for m, r in configs if m == mode]
+        rates = [runs[f"{mode}/{r}"] for r in ranks]
+        medians = [statistics.median(x) for x in rates]
+        errors = [[m - min(x) for m, x in zip(medians, rates)], [max(x) - m for m, x in zip(medians, rates)]]
+        ax.errorbar(ranks, medians, yerr=errors, marker="o", capsize=4, label=mode)
+    ax.set_xlabel("ranks (processes)")
+    ax.set_ylabel("images/s (median, min-max)")
+    ax.set_xticks(sorted({r for _, r in configs}))
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"global batch {args.global_batch}, {args.repeats} repeats", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
