@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from tfdist.callbacks._keras import Callback
 from tfdist import _compat, collectives
-from tfdist.errors import HorovodNotAvailableError, TfdistError
+from tfdist.errors import TfdistError
 
 log = logging.getLogger("tfdist")
 
@@ -218,22 +218,7 @@ def _incompatibility(variables, arrays, path):
 def _topology(strategy):
     if strategy is not None:
         return strategy.rank, strategy.size
-    try:
-        hvd = collectives.horovod()
-    except HorovodNotAvailableError:
-        return 0, 1
-    return (hvd.rank(), hvd.size()) if hvd.is_initialized() else (0, 1)
-
-
-def _broadcast_json(value, rank, size, name):
-    """The chief's JSON-able `value`, on every rank."""
-    if size == 1:
-        return value
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if rank == 0 else np.zeros(0, np.uint8)
-    length = collectives.broadcast(tf.constant([data.size], tf.int64), 0, name=f"{name}.len")
-    buffer = data if rank == 0 else np.zeros(int(length.numpy()[0]), np.uint8)
-    received = collectives.broadcast(tf.constant(buffer), 0, name=f"{name}.data")
-    return json.loads(received.numpy().tobytes())
+    return collectives.process_rank(), collectives.process_size()
 
 
 # --- the callback -------------------------------------------------------------------------------
@@ -292,7 +277,7 @@ class Checkpointer(Callback):
                         choice.update(epoch=int(marker["epoch"]), path=path, step=marker.get("step"))
                 except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
                     choice["error"] = f"reading checkpoints in {self.directory} failed: {type(e).__name__}: {e}"
-            self._choice = _broadcast_json(choice, rank, size, "tfdist.ckpt.choice")
+            self._choice = collectives.broadcast_object(choice, name="tfdist.ckpt.choice")
         if self._choice["error"]:
             raise CheckpointError(self._choice["error"])
         return self._choice
@@ -308,7 +293,7 @@ class Checkpointer(Callback):
         _build_optimizer(self.model)
         variables = training_variables(self.model)
         problem = _incompatibility(variables, arrays, choice["path"]) if rank == 0 else None
-        problem = _broadcast_json(problem, rank, size, "tfdist.ckpt.check")
+        problem = collectives.broadcast_object(problem, name="tfdist.ckpt.check")
         if problem:
             raise CheckpointError(problem)
         for i, variable in enumerate(variables):

@@ -56,7 +56,7 @@ class StopOnNonFiniteLoss(Callback):
 
     def on_train_begin(self, logs=None):
         self.report, self.message, self._step = None, None, 0
-        if _size() > 1:
+        if collectives.process_size() > 1:
             from tfdist.strategy import HorovodStrategy
 
             if not isinstance(getattr(self.model, "distribute_strategy", None), HorovodStrategy):
@@ -87,7 +87,7 @@ class StopOnNonFiniteLoss(Callback):
                         f"(step {step} of this fit): {who}")
         if self.action == "raise":
             raise NonFiniteLossError(self.message)
-        if _rank() == 0:
+        if collectives.process_rank() == 0:
             log.warning("tfdist: %s; stopping training on every rank", self.message)
         self.model.stop_training = True
 
@@ -98,20 +98,10 @@ class StopOnNonFiniteLoss(Callback):
         if tracker is not None and tracker.variables:
             total, count = (float(np.asarray(v.numpy())) for v in tracker.variables[:2])
             local = total / count if count else total
-        if _size() == 1:
+        if collectives.process_size() == 1:
             values = [local]
         else:
             gathered = collectives.allgather(tf.constant([local], tf.float64),
                                              name="tfdist.nonfinite.local_loss")
             values = gathered.numpy().tolist()
         return [r for r, v in enumerate(values) if not math.isfinite(v)], [str(v) for v in values]
-
-
-def _size():
-    hvd = collectives.horovod()
-    return hvd.size() if hvd.is_initialized() else 1
-
-
-def _rank():
-    hvd = collectives.horovod()
-    return hvd.rank() if hvd.is_initialized() else 0

@@ -21,16 +21,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfdist import collectives
 from tfdist.callbacks._keras import Callback
-
-
-def _rank():
-    try:
-        import horovod.tensorflow as hvd
-
-        return hvd.rank() if hvd.is_initialized() else 0
-    except ImportError:
-        return 0
 
 
 class ProfileSteps(Callback):
@@ -57,11 +49,11 @@ class ProfileSteps(Callback):
 
     @property
     def active(self):
-        return _rank() in self.ranks
+        return collectives.process_rank() in self.ranks
 
     @property
     def rank_dir(self):
-        return f"{self.log_dir}/rank{_rank()}"
+        return f"{self.log_dir}/rank{collectives.process_rank()}"
 
     def on_train_begin(self, logs=None):
         if self.active:

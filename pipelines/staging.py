@@ -82,11 +82,11 @@ def default_local_dir(source):
 
 def _detect_local_rank():
     # Horovod cannot be initialised without having been imported, so look, don't import.
-    hvd = sys.modules.get("horovod.tensorflow")
-    if hvd is not None and hvd.is_initialized():
+    if "horovod.tensorflow" in sys.modules:
         from tfdist import collectives
 
-        return collectives.local_rank()
+        if collectives.is_initialized():
+            return collectives.local_rank()
     for name in LOCAL_RANK_VARIABLES:
         value = os.environ.get(name, "").strip()
         if value:

@@ -17,6 +17,18 @@ class JobFailed(AssertionError):
     pass
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _environment_restored():
+    """Undo, after each test module, what its in-process HorovodStrategy() set in os.environ (its
+    tuning sets HOROVOD_CYCLE_TIME, for one), so jobs launched by later modules start from the same
+    environment in any test order. Module scope: set up before the modules' own strategy fixtures."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def run_job(args, out_dir, np=2, env=None, timeout=420):
     """Run `python ARGS --out OUT_DIR` under `horovodrun -np NP --gloo` (np=None: one plain process).
 

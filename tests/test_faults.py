@@ -342,7 +342,7 @@ def test_nonfinite_loss_on_one_process():
 def test_error_summary_keeps_the_type_and_the_last_meaningful_line():
     """What the other ranks print about a rank's error, on a real Keras error and on long text."""
     from tfdist.keras_flavour import keras_module
-    from tfdist.watchdog_support import LINE_CHARS, RECORD_BYTES, describe_exception, encode_record
+    from tfdist.watchdog_support import LINE_CHARS, describe_exception
 
     keras = keras_module()
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
@@ -359,6 +359,3 @@ def test_error_summary_keeps_the_type_and_the_last_meaningful_line():
     assert long.startswith("RuntimeError: head") and long.endswith(" tail"), long
     assert " ... " in long and len(long) <= LINE_CHARS
     assert describe_exception(KeyboardInterrupt, KeyboardInterrupt()) == "KeyboardInterrupt"
-
-    record = encode_record({"addr": ["10.0.0.1", 5000], "host": "h" * 1000})
-    assert len(record) <= RECORD_BYTES and b"more than the 512" in record and b" ... " in record

@@ -148,6 +148,8 @@ def test_strategy_topology_and_input_contexts(tmp_path_factory):
         assert f["affinity_now"] == sorted(f["tuning"]["cpu_affinity"])
         assert f["intra_op_now"] == f["tuning"]["intra_op_threads"] >= 1
     for f in (f0, f1):
+        assert f["broadcast_object"] == [200_000, 0]
+        assert f["allgather_object"] == [[], list(range(3000))]
         assert f["gathered"] == [[0.0, 0.0], [1.0, 1.0]]
         assert f["gathered_axis1"] == [[0.0, 0.0, 1.0, 1.0]]
         assert f["reduced_sum"] == 3.0

@@ -18,6 +18,7 @@ def installed(tmp_path_factory):
     shutil.rmtree(ROOT / "build", ignore_errors=True)  # setuptools would reuse stale build/lib files
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(base / "wheel"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     (wheel,) = (base / "wheel").glob("tfdist-*.whl")
     target = base / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],

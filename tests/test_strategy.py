@@ -50,6 +50,12 @@ def test_allreduce_groups_by_dtype_and_keeps_integer_dtype(strategy):
         collectives.allreduce([tf.constant([1.0])], op="median")
 
 
+def test_one_process_collectives_are_the_identity(strategy):
+    assert collectives.process_rank() == 0 and collectives.process_size() == 1
+    assert collectives.broadcast_object({"a": [1, 2]}) == {"a": [1, 2]}
+    assert collectives.allgather_object("x" * 5000) == ["x" * 5000]
+
+
 def test_signature_round_trip():
     row = collectives.signature([2, tf.float32.as_datatype_enum, 3, 5])
     assert _describe_signature(row[0]) == "shape (3, 5) dtype float32"

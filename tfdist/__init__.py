@@ -46,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "HorovodStrategy",
     "HorovodNotAvailableError",
+    "KerasHookError",
     "LaunchError",
     "NonFiniteLossError",
     "RankMismatchError",

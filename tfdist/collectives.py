@@ -1,8 +1,10 @@
 """Horovod collectives behind a small interface: init, allreduce, broadcast, allgather.
 
-Everything in tfdist that talks to other ranks goes through this module, so the rest of the
-package never imports Horovod directly and a missing or half-built Horovod fails in one place
-with one clear message.
+Everything in tfdist (strategy, callbacks, pipelines) that talks to other ranks goes through this
+module, so the rest of the package never imports Horovod directly and a missing or half-built
+Horovod fails in one place with one clear message. `process_rank()` / `process_size()` and the
+object exchanges (`broadcast_object`, `allgather_object`: JSON-able values of any size) also
+work in a single process without Horovod initialised, where they are the identity.
 
 Example:
 
@@ -10,10 +12,12 @@ Example:
 from tfdist import collectives
 collectives.init()
 total = collectives.allreduce([tf.constant(1.0)], op="sum")[0]   # == size
+config = collectives.broadcast_object({"lr": 0.1} if collectives.rank() == 0 else None)
 ```
 """
 
 import glob
+import json
 import os
 
 import numpy as np
@@ -79,6 +83,50 @@ def local_rank():
 
 def local_size():
     return horovod().local_size()
+
+
+def is_initialized():
+    """Whether Horovod runs in this process (False also when Horovod is not installed)."""
+    try:
+        return horovod().is_initialized()
+    except HorovodNotAvailableError:
+        return False
+
+
+def process_rank():
+    """This process's rank, or 0 when Horovod is not initialised (then it is the only process)."""
+    return rank() if is_initialized() else 0
+
+
+def process_size():
+    """The number of ranks, or 1 when Horovod is not initialised."""
+    return size() if is_initialized() else 1
+
+
+def broadcast_object(value, root_rank=0, name="tfdist.object"):
+    """`root_rank`'s JSON-able `value` on every rank (other ranks pass anything); any size.
+
+    One process (or Horovod not initialised) returns `value` itself. A collective otherwise:
+    every rank must call it, in the same order.
+    """
+    if process_size() == 1:
+        return value
+    data = json.dumps(value).encode() if rank() == root_rank else b""
+    length = int(broadcast(tf.constant([len(data)], tf.int64), root_rank, name=f"{name}.length").numpy()[0])
+    buffer = np.frombuffer(data, np.uint8) if rank() == root_rank else np.zeros(length, np.uint8)
+    received = broadcast(tf.constant(buffer), root_rank, name=f"{name}.data")
+    return json.loads(received.numpy().tobytes())
+
+
+def allgather_object(value, name="tfdist.objects"):
+    """Every rank's JSON-able `value`, as a list in rank order; any size. A collective."""
+    if process_size() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = allgather(tf.constant([data.size], tf.int64), name=f"{name}.lengths").numpy()
+    joined = allgather(tf.constant(data), name=f"{name}.data").numpy().tobytes()
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [json.loads(joined[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def _op(name):

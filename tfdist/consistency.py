@@ -37,7 +37,6 @@ from tfdist import _compat, collectives
 from tfdist.errors import RankMismatchError
 
 _COLUMNS = 16  # fixed row width: column 0 names the items, the rest hold their hashes
-_TEXT_BYTES = 400
 
 
 def check_start(fingerprint=None):
@@ -113,7 +112,7 @@ def _compare(items, name):
             f"(item-list hashes {rows[:, 0].tolist()} on ranks 0..{len(rows) - 1})"
         )
     differing = [i for i in range(len(items)) if not (rows[:, i + 1] == rows[0, i + 1]).all()]
-    shown = _gather_texts([items[i][2] for i in differing], name + ".values")
+    shown = collectives.allgather_object([items[i][2] for i in differing], name=name + ".values")
     lines = []
     for j, i in enumerate(differing):
         by_value = {}
@@ -125,16 +124,6 @@ def _compare(items, name):
         "ranks disagree (every rank must run the same code, versions and data setup):\n  "
         + "\n  ".join(lines)
     )
-
-
-def _gather_texts(texts, name):
-    """Each rank's list of strings (same length everywhere), truncated to _TEXT_BYTES each."""
-    row = np.zeros([1, len(texts), _TEXT_BYTES], np.uint8)
-    for i, text in enumerate(texts):
-        data = text.encode()[:_TEXT_BYTES]
-        row[0, i, : len(data)] = np.frombuffer(data, np.uint8)
-    rows = collectives.allgather(tf.constant(row), name=name).numpy()
-    return [[bytes(r).rstrip(b"\0").decode(errors="replace") for r in rank_rows] for rank_rows in rows]
 
 
 def _ranks(ranks):

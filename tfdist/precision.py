@@ -60,8 +60,7 @@ def set_policy(policy="auto"):
     """Set the global Keras dtype policy ("auto" or one of POLICIES); returns the policy name."""
     if policy == "auto":
         policy, reason = choose_policy()
-        hvd = collectives.horovod()
-        if not hvd.is_initialized() or hvd.rank() == 0:
+        if collectives.process_rank() == 0:
             log.warning("tfdist: precision policy %s (%s)", policy, reason)
     elif policy not in POLICIES:
         raise ValueError(f"precision policy {policy!r}: expected 'auto' or one of {POLICIES}")

@@ -18,7 +18,6 @@ model.fit(x, y, batch_size=32)   # global batch 32: 16 per rank on 2 ranks, each
 ```
 """
 
-import dataclasses
 import logging
 import os
 import tempfile
@@ -78,10 +77,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
     def __init__(self, device=None, *, batch_convention="global", compression=None, op="average", check_variables=True,
                  precision=None, tuning=True, horovod=None, watchdog=True, check_consistency=True,
                  fingerprint=None):
-        _set_horovod_knobs(horovod or {})
+        tuning_lib.set_horovod_knobs(horovod or {})
         horovod_defaults = tuning_lib.set_horovod_defaults() if tuning is not False else {}
         collectives.init()
-        self.tuning_plan = _tune(tuning, horovod_defaults) if tuning is not False else None
+        self.tuning_plan = tuning_lib.tune_this_rank(tuning, horovod_defaults) if tuning is not False else None
         # After tuning: these run the first TensorFlow ops, which fix the thread pools.
         if check_consistency:
             consistency.check_start(fingerprint)
@@ -377,38 +376,6 @@ class _HorovodReplicaContext(tf.distribute.ReplicaContext):
     @property
     def devices(self):
         return self._strategy.extended.worker_devices
-
-
-_HOROVOD_KNOBS = {
-    "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda mb: str(int(mb * (1 << 20)))),
-    "cycle_time_ms": ("HOROVOD_CYCLE_TIME", str),
-    "timeline": ("HOROVOD_TIMELINE", str),
-    "autotune": ("HOROVOD_AUTOTUNE", lambda on: "1" if on else "0"),
-}
-
-
-def _set_horovod_knobs(knobs):
-    unknown = set(knobs) - set(_HOROVOD_KNOBS)
-    if unknown:
-        raise ValueError(f"unknown horovod option(s) {sorted(unknown)}; expected {sorted(_HOROVOD_KNOBS)}")
-    for key, value in knobs.items():
-        env, convert = _HOROVOD_KNOBS[key]
-        os.environ.setdefault(env, convert(value))
-
-
-def _tune(options, horovod_defaults):
-    overrides = options if isinstance(options, dict) else {}
-    topology = tuning_lib.detect_topology(collectives.local_rank(), collectives.local_size())
-    plan = tuning_lib.make_plan(topology, **overrides)
-    if horovod_defaults:  # already applied before hvd.init(); listed so the summary says so
-        plan = dataclasses.replace(
-            plan, env={**plan.env, **{k: v for k, (v, _) in horovod_defaults.items()}},
-            reasons=plan.reasons + tuple(reason for _, reason in horovod_defaults.values()))
-    tuning_lib.apply(plan)
-    if collectives.rank() == 0:
-        print(plan.summary(), flush=True)
-    log.info("tfdist tuning (rank %d): %s", collectives.rank(), plan.as_dict())
-    return plan
 
 
 def _shapes_agree(tensors):

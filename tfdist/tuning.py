@@ -189,6 +189,42 @@ def onednn_active():
     return _compat.onednn_enabled()
 
 
+_HOROVOD_KNOBS = {
+    "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda mb: str(int(mb * (1 << 20)))),
+    "cycle_time_ms": ("HOROVOD_CYCLE_TIME", str),
+    "timeline": ("HOROVOD_TIMELINE", str),
+    "autotune": ("HOROVOD_AUTOTUNE", lambda on: "1" if on else "0"),
+}
+
+
+def set_horovod_knobs(knobs):
+    """Set `HorovodStrategy(horovod=...)` knobs as HOROVOD_* variables, unless already set."""
+    unknown = set(knobs) - set(_HOROVOD_KNOBS)
+    if unknown:
+        raise ValueError(f"unknown horovod option(s) {sorted(unknown)}; expected {sorted(_HOROVOD_KNOBS)}")
+    for key, value in knobs.items():
+        env, convert = _HOROVOD_KNOBS[key]
+        os.environ.setdefault(env, convert(value))
+
+
+def tune_this_rank(options, horovod_defaults):
+    """Detect this rank's share of the node, make and apply its plan; the chief prints the summary."""
+    from tfdist import collectives
+
+    overrides = options if isinstance(options, dict) else {}
+    topology = detect_topology(collectives.local_rank(), collectives.local_size())
+    plan = make_plan(topology, **overrides)
+    if horovod_defaults:  # already applied before hvd.init(); listed so the summary says so
+        plan = dataclasses.replace(
+            plan, env={**plan.env, **{k: v for k, (v, _) in horovod_defaults.items()}},
+            reasons=plan.reasons + tuple(reason for _, reason in horovod_defaults.values()))
+    apply(plan)
+    if collectives.rank() == 0:
+        print(plan.summary(), flush=True)
+    log.info("tfdist tuning (rank %d): %s", collectives.rank(), plan.as_dict())
+    return plan
+
+
 def _read(path, default):
     try:
         with open(path) as f:

@@ -46,7 +46,7 @@ import time
 
 from tfdist import collectives
 from tfdist.errors import WatchdogError
-from tfdist.watchdog_support import (advertised_host, broadcast_record, clip, describe_exception,
+from tfdist.watchdog_support import (advertised_host, clip, describe_exception,
                                      host_name, listen, read_line)
 
 DEFAULT_TIMEOUT = 20.0  # below Gloo's own 30 s recv timeout, so the watchdog names the rank first
@@ -88,7 +88,8 @@ def start(timeout=None):
                       "token": secrets.token_hex(16), "host": host_name(), "pid": os.getpid()}
         except WatchdogError as e:
             record = {"error": str(e)}
-    hub = broadcast_record(record)  # every rank learns rank 0's address, or why there is none
+    # every rank learns rank 0's address, or why there is none
+    hub = collectives.broadcast_object(record, name="tfdist.watchdog.address")
     if "error" in hub:
         if listener is not None:
             listener.close()

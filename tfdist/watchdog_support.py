@@ -14,14 +14,9 @@ import socket
 import struct
 import time
 
-import numpy as np
-import tensorflow as tf
-
-from tfdist import collectives
 from tfdist.errors import WatchdogError
 
-RECORD_BYTES = 512  # the broadcast's fixed size
-HOST_CHARS = 120  # longest host name a record or a message carries (cut visibly)
+HOST_CHARS = 120  # longest host name a message carries (cut visibly)
 LINE_CHARS = 300  # longest error line sent to the other ranks (cut visibly in the middle)
 # Lines that follow the cause at the end of TensorFlow and Keras errors: Keras' argument list
 # ("Arguments received by Dense.call():", "  • inputs=...") and TF's "[[{{node ...}}]]".
@@ -131,34 +126,6 @@ def advertised_host():
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return socket.gethostname()
-
-
-def encode_record(value):
-    """`value` as JSON in at most RECORD_BYTES bytes; too long a record becomes an error record."""
-    data = json.dumps(value).encode()
-    if len(data) <= RECORD_BYTES:
-        return data
-    if "error" not in value:
-        value = {"error": f"tfdist watchdog: rank 0's address record is {len(data)} bytes, more "
-                          f"than the {RECORD_BYTES} its broadcast holds: {json.dumps(value)}. Set "
-                          "TFDIST_WATCHDOG_ADDR to a shorter address, or pass "
-                          "HorovodStrategy(watchdog=False)."}
-    text = value["error"]
-    limit = len(text)
-    while len(data) > RECORD_BYTES:  # cut the message visibly until its JSON fits
-        limit -= max(len(data) - RECORD_BYTES, 8)
-        data = json.dumps({"error": clip(text, limit)}).encode()
-    return data
-
-
-def broadcast_record(value):
-    """Rank 0's `value` (a dict) on every rank, through one fixed-size broadcast."""
-    buffer = np.zeros([RECORD_BYTES], np.uint8)
-    if collectives.rank() == 0:
-        data = encode_record(value)
-        buffer[: len(data)] = np.frombuffer(data, np.uint8)
-    received = collectives.broadcast(tf.constant(buffer), 0, name="tfdist.watchdog.address")
-    return json.loads(bytes(received.numpy()).rstrip(b"\0"))
 
 
 def read_line(sock, deadline):

@@ -247,6 +247,11 @@ def strategy_facts(strategy, results):
     results["facts"]["reduced_sum"] = float(
         strategy.reduce(tf.distribute.ReduceOp.SUM, tf.constant(strategy.rank + 1.0), axis=None)
     )
+    # object exchanges of any size: 200 kB from rank 0, and lists whose lengths differ by rank
+    big = {"text": "x" * 200_000, "rank": strategy.rank} if strategy.rank == 0 else None
+    received = tfdist.collectives.broadcast_object(big)
+    results["facts"]["broadcast_object"] = [len(received["text"]), received["rank"]]
+    results["facts"]["allgather_object"] = tfdist.collectives.allgather_object(list(range(strategy.rank * 3000)))
     contexts = []
 
     def dataset_fn(ctx):
