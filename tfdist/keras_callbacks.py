@@ -67,10 +67,9 @@ def _allow_horovod_strategy(original):
 
 def non_chief_rank(model):
     """This rank's number if `model` trains under a multi-rank HorovodStrategy and it is not the chief."""
-    from tfdist.strategy import HorovodStrategy
+    from tfdist.strategy import multi_rank_strategy_of
 
-    strategy = getattr(model, "distribute_strategy", None)
-    if isinstance(strategy, HorovodStrategy) and collectives.size() > 1 and collectives.rank() != 0:
+    if multi_rank_strategy_of(model) is not None and collectives.rank() != 0:
         return collectives.rank()
     return None
 

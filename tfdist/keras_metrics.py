@@ -64,10 +64,9 @@ def _patch(model_class, global_result, flavour):
 
 
 def _uses_horovod(model):
-    from tfdist.strategy import HorovodStrategy
+    from tfdist.strategy import multi_rank_strategy_of
 
-    strategy = getattr(model, "distribute_strategy", None)
-    return isinstance(strategy, HorovodStrategy) and collectives.size() > 1
+    return multi_rank_strategy_of(model) is not None
 
 
 def _aggregation_name(variable):

@@ -47,11 +47,10 @@ def _patch(model_class, flavour):
 
 
 def _gathers(model):
-    from tfdist.strategy import HorovodStrategy
+    from tfdist.strategy import multi_rank_strategy_of
 
-    strategy = getattr(model, "distribute_strategy", None)
-    return (isinstance(strategy, HorovodStrategy) and _compat.global_batch_size(strategy.extended)
-            and collectives.size() > 1)
+    strategy = multi_rank_strategy_of(model)
+    return strategy is not None and _compat.global_batch_size(strategy.extended)
 
 
 def _gather_rows(value):

@@ -378,6 +378,17 @@ class _HorovodReplicaContext(tf.distribute.ReplicaContext):
         return self._strategy.extended.worker_devices
 
 
+def multi_rank_strategy_of(model):
+    """The `HorovodStrategy` `model` trains under when it spans more than one rank, else None.
+
+    What the Keras hooks (metrics, predict, callbacks) ask before acting differently from Keras.
+    """
+    strategy = getattr(model, "distribute_strategy", None)
+    if isinstance(strategy, HorovodStrategy) and collectives.size() > 1:
+        return strategy
+    return None
+
+
 def _shapes_agree(tensors):
     """Whether every rank's `tensors` have the same shapes (a collective: call it on every rank)."""
     sizes = [tf.constant([len(tensors)], tf.int64)] + [tf.shape(t, out_type=tf.int64) for t in tensors]
