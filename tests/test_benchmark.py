@@ -35,6 +35,13 @@ def test_benchmark_modes_report_like_tf_cnn_benchmarks(tmp_path, mode, np):
     data = json.loads(result.read_text())
     assert len(data["step_seconds"]) == 5 and data["global_batch"] == 4 * (np or 1)
     assert data["total_images_per_sec"] > 0
+    # the file says what ran: the printed header and the settings TensorFlow had in effect
+    assert data["header"][0].startswith("Model: mnist_cnn") and data["warmup_steps_excluded"] == 1
+    assert isinstance(data["in_effect"]["onednn"], bool) and data["in_effect"]["cpus"]
+    if mode == "tfdist":  # tuned before TensorFlow loaded, per rank: 1 of the 2 cores each
+        assert data["early_settings"]["route"] == "import tfdist" and data["early_settings"]["layout"] == [0, 2]
+    else:  # the peers run as installed: none of tfdist's settings
+        assert data["early_settings"] is None and "TensorFlow defaults" in data["tuning"]
 
 
 def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path):
@@ -61,8 +68,13 @@ def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):
     table = (tmp_path / "s.md").read_text()
     assert [line.split("|")[1:3] for line in table.splitlines()[2:]] == [
         [" none ", " 1 "], [" mwms ", " 1 "], [" mwms ", " 2 "]]
-    runs = json.loads((tmp_path / "s.json").read_text())["runs"]
+    saved = json.loads((tmp_path / "s.json").read_text())
+    runs = saved["runs"]
     assert sorted(runs) == ["mwms/1", "mwms/2", "none/1"] and all(len(r) == 1 for r in runs.values())
+    for config, results in saved["every_run"].items():  # every run kept whole, not only its rate
+        (result,) = results
+        assert result["total_images_per_sec"] == runs[config][0] and len(result["step_seconds"]) == 5
+        assert result["header"] and "onednn" in result["in_effect"] and result["repeat"] == 1
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plot:" in out
 
 

@@ -388,9 +388,12 @@ def tfdist_run(*args, timeout=JOB_TIMEOUT, env=None):
 def test_tfdist_run_dry_run_prints_the_command():
     code, out, _ = tfdist_run("--dry-run", "-np", 2, "python", "train.py", "--epochs", 3)
     assert code == 0
-    assert out.strip() == f"{BIN / 'horovodrun'} -np 2 --gloo {sys.executable} train.py --epochs 3"
+    wrap = f"{sys.executable} -m tfdist.startup --"
+    assert out.strip() == f"{BIN / 'horovodrun'} -np 2 --gloo {wrap} {sys.executable} train.py --epochs 3"
     code, out, _ = tfdist_run("--dry-run", "--launcher", "srun", "-np", 4, "python", "train.py")
-    assert code == 0 and out.split()[1:] == ["--ntasks=4", "--kill-on-bad-exit=1", sys.executable, "train.py"]
+    assert code == 0 and out.split()[1:] == ["--ntasks=4", "--kill-on-bad-exit=1", *wrap.split(), sys.executable, "train.py"]
+    code, out, _ = tfdist_run("--dry-run", "--no-tuning", "-np", 2, "python", "train.py")
+    assert code == 0 and out.strip() == f"{BIN / 'horovodrun'} -np 2 --gloo {sys.executable} train.py"
 
 
 def test_tfdist_run_mpirun_without_mpi_is_refused():
@@ -409,6 +412,15 @@ def test_tfdist_run_launches_a_real_two_rank_job(tmp_path, reference):
     assert f"tfdist-run: horovodrun: {BIN / 'horovodrun'} -np 2 --gloo {sys.executable}" in err
     ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert_trained_alike(ranks, reference)
+    # each rank got its share of the node before Python started: pinned, threads set, in effect
+    from tfdist import tuning
+
+    cores = len(tuning.detect_topology(with_tf=False).cores)
+    for r in (0, 1):
+        assert ranks[r]["startup"]["route"] == "tfdist-run" and ranks[r]["startup"]["layout"] == [r, 2]
+        assert ranks[r]["intra_op_threads"] == max(cores // 2, 1)
+    if cores >= 2:
+        assert not set(ranks[0]["cpus"]) & set(ranks[1]["cpus"])
     # the exit status of the job is passed through
     code, _, _ = tfdist_run("-np", 2, "python", "-c", "import sys; sys.exit(3)")
     assert code != 0

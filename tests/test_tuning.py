@@ -26,7 +26,8 @@ def plans(topology_cores, local_size, **kwargs):
 def test_two_sockets_28_cores_4_ranks_get_disjoint_half_sockets():
     result = plans(node(2, 28), 4)
     assert [p.intra_op_threads for p in result] == [14] * 4
-    assert [p.inter_op_threads for p in result] == [1] * 4  # each share sits in one socket
+    assert [p.inter_op_threads for p in result] == [None] * 4  # TensorFlow's default: measured not to lose
+    assert [p.env["TF_NUM_INTRAOP_THREADS"] for p in result] == ["14"] * 4 and "TF_NUM_INTEROP_THREADS" not in result[0].env
     cpus = [set(p.cpu_affinity) for p in result]
     assert all(len(c) == 14 for c in cpus) and len(set().union(*cpus)) == 56
     assert cpus[0] == set(range(14)) and cpus[3] == set(range(42, 56))
@@ -39,9 +40,10 @@ def test_smt_siblings_are_pinned_but_not_counted_as_threads():
     assert "SMT" in result[0].summary()
 
 
-def test_one_rank_spanning_two_sockets_gets_two_inter_op_threads():
+def test_one_rank_spanning_two_sockets_gets_all_cores_and_tf_inter_op_default():
     (plan,) = plans(node(2, 4), 1)
-    assert (plan.intra_op_threads, plan.inter_op_threads) == (8, 2)
+    assert (plan.intra_op_threads, plan.inter_op_threads) == (8, None)
+    assert "inter_op=TF default" in plan.summary()
 
 
 def test_more_ranks_than_cores_is_reported():
@@ -68,6 +70,9 @@ def test_openmp_settings_only_for_openmp_builds():
 def test_overrides_win():
     plan = make_plan(Topology(node(1, 8), 0, 1), intra_op_threads=3, inter_op_threads=2, pin=False)
     assert (plan.intra_op_threads, plan.inter_op_threads, plan.cpu_affinity) == (3, 2, ())
+    assert plan.env["TF_NUM_INTEROP_THREADS"] == "2"
+    assert "TF_ENABLE_ONEDNN_OPTS" not in make_plan(Topology(node(1, 8), 0, 1), onednn=None).env
+    assert make_plan(Topology(node(1, 8), 0, 1), onednn=False).env["TF_ENABLE_ONEDNN_OPTS"] == "0"
 
 
 @pytest.mark.parametrize("late", [False, True])
@@ -95,6 +100,9 @@ def test_cpu_jobs_get_a_slower_horovod_cycle_gpu_jobs_keep_the_default(monkeypat
 
     assert tuning.horovod_defaults(gpus=0)["HOROVOD_CYCLE_TIME"][0] == "10"
     assert tuning.horovod_defaults(gpus=8) == {}
+    assert tuning.horovod_defaults(gpus=0, choice={"cycle_time_ms": 1})["HOROVOD_CYCLE_TIME"][0] == "1"
+    monkeypatch.delenv("TFDIST_TUNING_CHOICE", raising=False)
+    monkeypatch.setenv("TFDIST_CACHE_DIR", "/nonexistent-tfdist-cache")
     # what the user set wins, and is not reported as tfdist's choice
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3")
     assert tuning.set_horovod_defaults() == {}

@@ -20,12 +20,22 @@ from tfdist.errors import (
 )
 from tfdist.launch import LaunchError
 
+# Settings TensorFlow reads when it loads (oneDNN, thread pools, core pinning) only count if set
+# before it loads: importing tfdist first applies this rank's (`tfdist.startup`; TFDIST_TUNING=0: off).
+import sys as _sys
+
+if "tensorflow" not in _sys.modules:
+    from tfdist import startup as _startup
+
+    _startup.apply_early("import tfdist")
+
 
 # Submodules reachable as attributes (`tfdist.precision`, `tfdist.pipelines`, ...), imported on
 # first use: most import TensorFlow (seconds), which `tfdist-run` and the error classes must not wait for.
 _SUBMODULES = frozenset({
     "benchmark", "callbacks", "collectives", "consistency", "input_contract", "keras_flavour", "launch",
-    "pipelines", "precision", "rendezvous", "run", "strategy", "tuning", "watchdog",
+    "pipelines", "precision", "rendezvous", "run", "startup", "strategy", "tune", "tuning", "tuning_cache",
+    "watchdog",
 })
 
 

@@ -8,6 +8,10 @@ tfdist-run -np 8 python train.py                            # inside a Slurm all
 tfdist-run --dry-run -np 2 python train.py                  # print the command, run nothing
 ```
 
+Every rank starts as `python -m tfdist.startup -- <command>`: its share of the node's cores, thread
+counts and oneDNN are set per rank before the command's Python (and TensorFlow) starts
+(`tfdist.startup`; `--no-tuning` launches the command as it is).
+
 `--launcher auto` (the default) picks srun inside a Slurm allocation (`SLURM_JOB_ID` set and
 `srun` on the PATH), else horovodrun. A leading `python`/`python3` becomes this interpreter
 (`sys.executable`), so the ranks run in the environment tfdist is installed in. The launched
@@ -119,11 +123,21 @@ def main(argv=None):
     parser.add_argument("--launcher", choices=LAUNCHERS, default="auto")
     parser.add_argument("--launcher-args", default="", help="extra arguments for the launcher, one string")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    parser.add_argument("--no-tuning", action="store_true",
+                        help="do not apply tfdist's per-rank settings before the command starts")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    from tfdist import startup
+
+    startup.undo()  # the ranks apply their own settings, not this launcher's
+    command = list(args.command)
+    if command and command[0] in ("python", "python3"):
+        command[0] = sys.executable
+    if command and not args.no_tuning:
+        command = [sys.executable, "-m", "tfdist.startup", "--", *command]
     try:
         launcher = resolve_launcher(args.launcher)
-        argv_out = build_command(launcher, args.command, args.np, args.hosts,
+        argv_out = build_command(launcher, command, args.np, args.hosts,
                                  shlex.split(args.launcher_args))
         if launcher == "mpirun" and not horovod_has_mpi():
             if not args.dry_run:

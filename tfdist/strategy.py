@@ -61,8 +61,12 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             `tfdist.precision.choose_policy`), or a policy name ("mixed_float16", ...).
         tuning: True (default) applies `tfdist.tuning`'s per-rank plan (threads, core pinning,
             oneDNN/OpenMP, one GPU per local rank; on CPU-only nodes a 10 ms Horovod cycle unless
-            HOROVOD_CYCLE_TIME or `horovod=` says otherwise); False leaves the process as it is; a dict
-            overrides choices (`intra_op_threads`, `inter_op_threads`, `pin`, `onednn`).
+            HOROVOD_CYCLE_TIME or `horovod=` says otherwise), or the choice `tfdist-tune` cached for
+            this machine; "measure" first runs `tfdist-tune` for this job's ranks per node when
+            nothing is cached (oneDNN's choice takes effect from the next start); False leaves the
+            process as it is; a dict overrides choices (`intra_op_threads`, `inter_op_threads`,
+            `pin`, `onednn`). Settings TensorFlow reads when it loads are applied by `import tfdist`
+            before `import tensorflow` or by `tfdist-run`; the chief prints what is in effect.
         horovod: Horovod knobs set before `hvd.init()` unless already in the environment:
             `fusion_threshold_mb`, `cycle_time_ms`, `timeline` (a file path), `autotune` (bool).
         watchdog: with more than one rank, a dead or stalled rank makes every other rank exit
@@ -78,6 +82,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
                  precision=None, tuning=True, horovod=None, watchdog=True, check_consistency=True,
                  fingerprint=None):
         tuning_lib.set_horovod_knobs(horovod or {})
+        if tuning == "measure":
+            from tfdist import startup, tune
+
+            tune.ensure_measured(*startup.local_layout())
         horovod_defaults = tuning_lib.set_horovod_defaults() if tuning is not False else {}
         collectives.init()
         self.tuning_plan = tuning_lib.tune_this_rank(tuning, horovod_defaults) if tuning is not False else None

@@ -6,15 +6,20 @@ topology = tuning.detect_topology(local_rank=0, local_size=2)
 plan = tuning.make_plan(topology)          # pure: same topology, same plan
 print(plan.summary())                      # one line: what was chosen and why
 tuning.apply(plan)                         # HorovodStrategy() does detect + plan + apply itself
+print(tuning.in_effect())                  # what TensorFlow reports: oneDNN, thread pools, cpus
 ```
 
 CPU: each of the `local_size` ranks on a node gets its share of the physical cores (never two
-ranks on one core): intra-op threads = that share, inter-op threads = the sockets the share
-spans, and the process is pinned to those cores (with their SMT siblings). oneDNN is switched on
-(`TF_ENABLE_ONEDNN_OPTS=1`), and OpenMP builds (intel-tensorflow) get `OMP_NUM_THREADS`,
-`KMP_BLOCKTIME`, `KMP_AFFINITY`, `KMP_SETTINGS`. GPU: one GPU per local rank, memory growth on.
-Settings TensorFlow reads at start-up are reported as too late when TensorFlow has started.
-Horovod: CPU-only jobs get a 10 ms background cycle (`set_horovod_defaults`, before `hvd.init()`).
+ranks on one core): intra-op threads = that share, and the process is pinned to those cores
+(with their SMT siblings). Inter-op threads stay TensorFlow's default (measured: forcing 1 lost
+to it). oneDNN is switched on (`TF_ENABLE_ONEDNN_OPTS=1`; TensorFlow leaves it off on CPUs
+without AVX-512 VNNI/BF16, where it is worth about 1.45x for ResNet50), and OpenMP builds
+(intel-tensorflow) get `OMP_NUM_THREADS`, `KMP_BLOCKTIME`, `KMP_AFFINITY`, `KMP_SETTINGS`. GPU: one
+GPU per local rank, memory growth on. A `tfdist-tune` measurement cached for this machine
+(`tfdist.tuning_cache`) replaces these choices. Settings TensorFlow reads when it loads are
+applied before it loads by `tfdist.startup`; the summary reports what TensorFlow says is in
+effect, never the plan alone. Horovod: CPU-only jobs get a 10 ms background cycle
+(`set_horovod_defaults`, before `hvd.init()`).
 """
 
 import dataclasses
@@ -49,15 +54,19 @@ class Topology:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     intra_op_threads: int
-    inter_op_threads: int
+    inter_op_threads: int  # None: TensorFlow's default
     cpu_affinity: tuple  # logical cpus this rank is pinned to (empty: no pinning)
     env: dict
     visible_gpu: int = None
     reasons: tuple = ()
+    effect: dict = None  # after `apply`: what TensorFlow reports (`in_effect()`)
 
     def summary(self):
+        if self.effect is not None:
+            return f"tfdist tuning: {describe(self.effect, self)}; " + "; ".join(self.reasons)
         gpu = f", GPU {self.visible_gpu}" if self.visible_gpu is not None else ""
-        return (f"tfdist tuning: intra_op={self.intra_op_threads} inter_op={self.inter_op_threads} "
+        inter = self.inter_op_threads if self.inter_op_threads is not None else "TF default"
+        return (f"tfdist tuning: intra_op={self.intra_op_threads} inter_op={inter} "
                 f"cpus={_ranges(self.cpu_affinity)}{gpu}; " + "; ".join(self.reasons))
 
     def as_dict(self):
@@ -65,7 +74,11 @@ class Plan:
 
 
 def make_plan(topology, *, intra_op_threads=None, inter_op_threads=None, pin=True, onednn=True):
-    """The settings for one rank of `topology`; explicit arguments override the choices."""
+    """The settings for one rank of `topology`; explicit arguments override the choices.
+
+    `onednn`: True/False set `TF_ENABLE_ONEDNN_OPTS` to 1/0, None leaves TensorFlow's default.
+    `inter_op_threads`: None leaves TensorFlow's default (the cpus the rank may run on).
+    """
     reasons = []
     ranks, rank = max(topology.local_size, 1), topology.local_rank
     ordered = sorted(topology.cores, key=lambda c: (c[0], c[1]))
@@ -78,12 +91,14 @@ def make_plan(topology, *, intra_op_threads=None, inter_op_threads=None, pin=Tru
         mine = [ordered[rank % len(ordered)]] if ordered else []
         reasons.append(f"{ranks} local ranks > {len(ordered)} physical cores: oversubscribed, 1 thread each")
     intra = intra_op_threads or max(len(mine), 1)
-    inter = inter_op_threads or max(len({socket for socket, _, _ in mine}), 1)
+    inter = inter_op_threads or None
     affinity = tuple(sorted(cpu for _, _, cpus in mine for cpu in cpus)) if pin else ()
-    env = {}
-    if onednn:
-        env["TF_ENABLE_ONEDNN_OPTS"] = "1"
-        reasons.append("oneDNN on")
+    env = {"TF_NUM_INTRAOP_THREADS": str(intra)}
+    if inter:
+        env["TF_NUM_INTEROP_THREADS"] = str(inter)
+    if onednn is not None:
+        env["TF_ENABLE_ONEDNN_OPTS"] = "1" if onednn else "0"
+        reasons.append("asked for oneDNN " + ("on" if onednn else "off"))
     if topology.openmp_build:
         env.update({"OMP_NUM_THREADS": str(intra), "KMP_BLOCKTIME": "1",
                     "KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_SETTINGS": "1"})
@@ -107,28 +122,39 @@ def make_plan(topology, *, intra_op_threads=None, inter_op_threads=None, pin=Tru
 CPU_CYCLE_TIME_MS = 10
 
 
-def horovod_defaults(gpus):
+def horovod_defaults(gpus, choice=None):
     """Environment defaults for Horovod, to set before `hvd.init()`: {variable: (value, reason)}."""
+    measured = (choice or {}).get("cycle_time_ms")
+    if measured:
+        return {"HOROVOD_CYCLE_TIME": (f"{measured:g}", f"Horovod cycle {measured:g} ms (measured by tfdist-tune)")}
     if gpus:
         return {}
     return {"HOROVOD_CYCLE_TIME": (str(CPU_CYCLE_TIME_MS),
                                    f"Horovod cycle {CPU_CYCLE_TIME_MS} ms (CPU: fewer background wake-ups)")}
 
 
-def set_horovod_defaults():
+def set_horovod_defaults(local_size=None):
     """Set `horovod_defaults` for this machine where the environment does not already say; returns them."""
+    from tfdist import startup, tuning_cache
+
     chosen = {}
-    for key, (value, reason) in horovod_defaults(_count_gpus()).items():
+    size = local_size or startup.local_layout()[1]
+    for key, (value, reason) in horovod_defaults(_count_gpus(), tuning_cache.choice_for(size)).items():
         if key not in os.environ:
             os.environ[key] = value
             chosen[key] = (value, reason)
     return chosen
 
 
-def detect_topology(local_rank=0, local_size=1):
-    """Read this node's cores (Linux sysfs), GPUs and TensorFlow build kind."""
+def detect_topology(local_rank=0, local_size=1, allowed=None, with_tf=True):
+    """Read this node's cores (Linux sysfs), GPUs and TensorFlow build kind.
+
+    `allowed`: the cpus to use (default: this process's affinity). `with_tf=False` counts GPUs and
+    recognises OpenMP builds without importing TensorFlow (for settings applied before it loads).
+    """
     cores = {}
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if allowed is None and hasattr(os, "sched_getaffinity"):
+        allowed = os.sched_getaffinity(0)
     for path in sorted(glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology/core_id")):
         cpu = int(path.split("/")[5][3:])
         if allowed is not None and cpu not in allowed:
@@ -143,20 +169,29 @@ def detect_topology(local_rank=0, local_size=1):
     return Topology(
         cores=tuple((s, c, tuple(cpus)) for (s, c), cpus in sorted(cores.items())),
         local_rank=local_rank, local_size=local_size,
-        gpus=_count_gpus(), openmp_build=_is_openmp_build(),
+        gpus=_count_gpus() if with_tf else _count_gpus_without_tf(),
+        openmp_build=_is_openmp_build(),
     )
 
 
+_READ_AT_LOAD = ("TF_ENABLE_ONEDNN_OPTS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
+                 "OMP_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME", "KMP_SETTINGS")
+
+
 def apply(plan):
-    """Apply `plan` to this process; returns the list of settings that came too late."""
+    """Apply `plan` to this process; returns the list of settings that came too late.
+
+    Environment variables are set where they differ; TensorFlow reads them when it loads, so
+    `tfdist.startup` applies them before that. Here, after the load, only pinning and the thread
+    pools (until the first op runs) can still change; what cannot is returned, not hidden.
+    """
     import sys
 
     too_late = []
     tf_loaded = "tensorflow" in sys.modules
     for key, value in plan.env.items():
         if os.environ.get(key) != value:
-            if tf_loaded and key in ("TF_ENABLE_ONEDNN_OPTS", "OMP_NUM_THREADS", "KMP_AFFINITY"):
-                # TensorFlow read these when it loaded; oneDNN may be on by default anyway
+            if tf_loaded and key in _READ_AT_LOAD and key not in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
                 if not (key == "TF_ENABLE_ONEDNN_OPTS" and onednn_active() == (value == "1")):
                     too_late.append(f"{key}={value}")
             os.environ[key] = value
@@ -166,9 +201,11 @@ def apply(plan):
 
     try:
         tf.config.threading.set_intra_op_parallelism_threads(plan.intra_op_threads)
-        tf.config.threading.set_inter_op_parallelism_threads(plan.inter_op_threads)
+        if plan.inter_op_threads:
+            tf.config.threading.set_inter_op_parallelism_threads(plan.inter_op_threads)
     except RuntimeError:
-        too_late.append("intra/inter-op threads")
+        if tf.config.threading.get_intra_op_parallelism_threads() != plan.intra_op_threads:
+            too_late.append("intra/inter-op threads")
     if plan.visible_gpu is not None:
         gpus = tf.config.list_physical_devices("GPU")
         try:
@@ -176,12 +213,78 @@ def apply(plan):
             tf.config.experimental.set_memory_growth(gpus[plan.visible_gpu], True)
         except RuntimeError:
             too_late.append("visible GPU / memory growth")
-    if too_late:
-        log.warning("tfdist tuning: TensorFlow had already started, so these settings did not take "
-                    "effect: %s. Create HorovodStrategy before running any TensorFlow op, and set "
-                    "environment variables before importing tensorflow (e.g. in the job script).",
-                    ", ".join(too_late))
     return too_late
+
+
+def in_effect():
+    """What this process runs with, as TensorFlow and the OS report it (not what was asked for)."""
+    import tensorflow as tf
+
+    def pool(configured, variable):
+        if configured:
+            return configured
+        from_env = os.environ.get(variable, "")
+        return int(from_env) if from_env.isdigit() and int(from_env) > 0 else None
+
+    cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    return {"onednn": onednn_active(),
+            "intra_op_threads": pool(tf.config.threading.get_intra_op_parallelism_threads(), "TF_NUM_INTRAOP_THREADS"),
+            "inter_op_threads": pool(tf.config.threading.get_inter_op_parallelism_threads(), "TF_NUM_INTEROP_THREADS"),
+            "cpus": cpus}
+
+
+def describe(effect, plan=None):
+    """One line from `in_effect()`: threads, cpus and oneDNN as TensorFlow has them."""
+    tf_default = f"TF default ({len(effect['cpus']) or os.cpu_count()})"
+    parts = [f"intra_op={effect['intra_op_threads'] or tf_default}",
+             f"inter_op={effect['inter_op_threads'] or tf_default}",
+             f"cpus={_ranges(effect['cpus'])}", f"oneDNN {'on' if effect['onednn'] else 'off'}"]
+    if plan is not None and plan.visible_gpu is not None:
+        parts.append(f"GPU {plan.visible_gpu}")
+    return " ".join(parts)
+
+
+LATE_FIX = ("import tfdist before tensorflow (first line of the script), or launch with tfdist-run, so "
+            "these are set before TensorFlow loads")
+
+
+def tune_this_rank(options, horovod_defaults):
+    """Detect this rank's share of the node, make and apply its plan; the chief prints what is in effect.
+
+    The plan's settings that TensorFlow reads when it loads were applied then by `tfdist.startup`
+    (if it ran). What did not take effect is named once, on the chief, with the fix.
+    """
+    from tfdist import collectives, startup, tuning_cache
+
+    overrides = options if isinstance(options, dict) else {}
+    early = startup.state()
+    local_size = collectives.local_size()
+    bound = startup.externally_bound()
+    topology = detect_topology(collectives.local_rank(), 1 if bound else local_size, allowed=startup.node_cpus())
+    choice = tuning_cache.choice_for(local_size)
+    plan = make_plan(topology, **{**choice.get("overrides", {}), **({"pin": False} if bound else {}), **overrides})
+    reasons = list(plan.reasons)
+    if choice:
+        reasons.append(f"settings from {choice['source']}")
+    reasons += [reason for _, reason in horovod_defaults.values()]
+    users = {k: os.environ[k] for k in plan.env if k in os.environ and k not in startup.set_by_tfdist()}
+    if users:
+        reasons.append("kept your " + " ".join(f"{k}={v}" for k, v in users.items()))
+    env = {k: v for k, v in plan.env.items() if k not in users}
+    if "TF_NUM_INTRAOP_THREADS" in users and users["TF_NUM_INTRAOP_THREADS"].isdigit():
+        plan = dataclasses.replace(plan, intra_op_threads=int(users["TF_NUM_INTRAOP_THREADS"]))
+    plan = dataclasses.replace(plan, reasons=tuple(reasons),
+                               env={**env, **{k: v for k, (v, _) in horovod_defaults.items()}})
+    too_late = apply(plan)
+    effect = in_effect()
+    if collectives.rank() == 0:
+        route = f"set before TensorFlow loaded by {early['route']}" if early else "no early settings"
+        print(f"tfdist tuning: {describe(effect, plan)} ({route}); " + "; ".join(reasons), flush=True)
+        if too_late:
+            log.warning("tfdist tuning: TensorFlow had loaded before these settings, so they are NOT in "
+                        "effect: %s. Fix: %s.", ", ".join(too_late), LATE_FIX)
+    log.info("tfdist tuning (rank %d): plan %s", collectives.rank(), plan.as_dict())
+    return dataclasses.replace(plan, effect=effect)
 
 
 def onednn_active():
@@ -207,24 +310,6 @@ def set_horovod_knobs(knobs):
         os.environ.setdefault(env, convert(value))
 
 
-def tune_this_rank(options, horovod_defaults):
-    """Detect this rank's share of the node, make and apply its plan; the chief prints the summary."""
-    from tfdist import collectives
-
-    overrides = options if isinstance(options, dict) else {}
-    topology = detect_topology(collectives.local_rank(), collectives.local_size())
-    plan = make_plan(topology, **overrides)
-    if horovod_defaults:  # already applied before hvd.init(); listed so the summary says so
-        plan = dataclasses.replace(
-            plan, env={**plan.env, **{k: v for k, (v, _) in horovod_defaults.items()}},
-            reasons=plan.reasons + tuple(reason for _, reason in horovod_defaults.values()))
-    apply(plan)
-    if collectives.rank() == 0:
-        print(plan.summary(), flush=True)
-    log.info("tfdist tuning (rank %d): %s", collectives.rank(), plan.as_dict())
-    return plan
-
-
 def _read(path, default):
     try:
         with open(path) as f:
@@ -239,11 +324,20 @@ def _count_gpus():
     return len(tf.config.list_physical_devices("GPU"))
 
 
-def _is_openmp_build():
-    import tensorflow as tf
+def _count_gpus_without_tf():
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
 
-    lib_dir = os.path.dirname(tf.__file__)
-    return bool(glob.glob(os.path.join(lib_dir, "**", "libiomp5*"), recursive=True))
+
+def _is_openmp_build():
+    import importlib.util
+
+    spec = importlib.util.find_spec("tensorflow")  # finds the package without importing it
+    lib_dirs = list(spec.submodule_search_locations or []) if spec else []
+    patterns = ("libiomp5*", "*/libiomp5*", "_solib_*/*/libiomp5*")  # not a recursive walk: it must stay fast
+    return any(glob.glob(os.path.join(d, p)) for d in lib_dirs for p in patterns)
 
 
 def _ranges(cpus):

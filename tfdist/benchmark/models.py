@@ -20,7 +20,12 @@ def build_model(keras, name, image_size, num_classes):
     from tfdist.precision import float32_softmax
 
     shape = (image_size, image_size, 3)
-    if name == "resnet50":
+    if ":" in name:  # the user's own model: module:function(image_size, num_classes)
+        import importlib
+
+        module, _, function = name.partition(":")
+        logits = getattr(importlib.import_module(module), function)(image_size, num_classes)
+    elif name == "resnet50":
         logits = keras.applications.ResNet50(weights=None, input_shape=shape, classes=num_classes,
                                              classifier_activation=None)
     elif name == "resnet50_v1.5":

@@ -23,15 +23,17 @@ reach --target_accuracy (stopping there).
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
+from tfdist import startup
 from tfdist.benchmark.models import MODELS, build_model
 
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-PARSER.add_argument("--model", default="resnet50", choices=MODELS)
+PARSER.add_argument("--model", default="resnet50",
+                    help=f"one of {', '.join(MODELS)}, or module:function(image_size, num_classes) returning "
+                         "an uncompiled Keras model")
 PARSER.add_argument("--batch_size", type=int, default=32, help="per replica")
 PARSER.add_argument("--image_size", type=int, default=224)
 PARSER.add_argument("--num_classes", type=int, default=1000)
@@ -251,6 +253,8 @@ def main():
         PARSER.error(f"--epochs (accuracy runs) is for --variable_update tfdist or none, not {args.variable_update}")
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.variable_update != "tfdist" or args.no_tuning:
+        startup.undo()  # `import tfdist` applied tfdist's early settings; these modes compare against none
     if args.onednn != "default":
         os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"
     if args.variable_update == "mwms":
@@ -258,33 +262,39 @@ def main():
 
     import tensorflow as tf
 
-    from tfdist.tuning import onednn_active
+    from tfdist import tuning as tuning_lib
+    from tfdist.tuning_cache import cpu_model
 
     keras, strategy, tuning, size, rank = start(args)
     global_batch = args.batch_size * size
-    if rank == 0:
-        import horovod
+    effect = tuning_lib.in_effect()
+    import horovod
 
-        print(f"Model: {args.model}  Keras: {keras.__name__} {keras.__version__}  TF: {tf.__version__}  "
-              f"Horovod: {horovod.__version__}")
-        print(f"Hardware: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
-              f"GPUs: {len(tf.config.list_physical_devices('GPU'))}")
-        print(f"Mode: {args.variable_update}  ranks: {size}  batch/replica: {args.batch_size}  "
-              f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  "
-              f"xla: {args.xla}")
-        print(f"Data: {args.data_dir or 'synthetic (one batch made once, no I/O)'}")
-        print(f"Tuning: {tuning}  (oneDNN kernels: {'on' if onednn_active() else 'off'})")
-        print(f"Warm-up batches (excluded): {args.num_warmup_batches}, timed batches: "
-              f"{f'{args.epochs} epoch(s)' if args.epochs else args.num_batches}", flush=True)
+    header = [
+        f"Model: {args.model}  Keras: {keras.__name__} {keras.__version__}  TF: {tf.__version__}  "
+        f"Horovod: {horovod.__version__}",
+        f"Hardware: {os.cpu_count()} CPUs ({cpu_model()}), GPUs: {len(tf.config.list_physical_devices('GPU'))}",
+        f"Mode: {args.variable_update}  ranks: {size}  batch/replica: {args.batch_size}  "
+        f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  xla: {args.xla}",
+        f"Data: {args.data_dir or 'synthetic (one batch made once, no I/O)'}",
+        f"Tuning: {tuning}",
+        f"In effect (rank 0, as TensorFlow reports it): {tuning_lib.describe(effect)}",
+        f"Warm-up batches (excluded): {args.num_warmup_batches}, timed batches: "
+        f"{f'{args.epochs} epoch(s)' if args.epochs else args.num_batches}",
+    ]
+    if rank == 0:
+        print("\n".join(header), flush=True)
 
     if args.variable_update == "horovod":
         timer, source, history = run_horovod_loop(args, keras)
     else:
         timer, source, history = run_keras_fit(args, keras, strategy, rank)
     total = report(args, timer, global_batch, rank)
-    result = {"args": vars(args), "ranks": size, "global_batch": global_batch,
+    result = {"args": vars(args), "argv": sys.argv, "header": header, "ranks": size, "global_batch": global_batch,
               "total_images_per_sec": total, "step_seconds": timer.times,
-              "data": source, "tuning": tuning, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "warmup_steps_excluded": args.num_warmup_batches, "data": source, "tuning": tuning,
+              "in_effect": {**effect, "cpus": list(effect["cpus"])}, "early_settings": startup.state(),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if history is not None:
         result.update(accuracy_summary(args, history))
         if rank == 0:

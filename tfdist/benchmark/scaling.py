@@ -7,7 +7,8 @@ Every configuration runs once per repeat, in alternating order, so a noisy share
 affects all of them alike. Each (mode, ranks) keeps the same global batch (per-replica batch =
 global / ranks). Writes a markdown table (median, min, max images/s, and efficiency against the
 1-rank run of the same mode), a PNG plot (median with min-max bars per mode, against ranks) and
-a JSON file with every run. Modes tfdist, horovod and mwms run under horovodrun (mwms derives
+a JSON file with every run (each run's header, the settings in effect as TensorFlow reported them,
+and every step time, warm-up included and marked). Modes tfdist, horovod and mwms run under horovodrun (mwms derives
 its TF_CONFIG from it); none runs as one plain process.
 """
 
@@ -37,7 +38,9 @@ def run_one(mode, ranks, global_batch, extra, out_json):
     if done.returncode != 0:
         sys.exit(f"benchmark failed (exit {done.returncode}): {' '.join(command)}\n{done.stdout[-4000:]}")
     with open(out_json) as f:
-        return json.load(f)["total_images_per_sec"]
+        result = json.load(f)
+    result["command"] = command
+    return result
 
 
 def main():
@@ -51,14 +54,20 @@ def main():
     parser.add_argument("--out", default="scaling")
     parser.add_argument("extra", nargs="*", help="after --: arguments for tfdist-benchmark")
     args = parser.parse_args()
+    from tfdist import startup
+
+    startup.undo()  # each benchmark process applies its own settings (or none)
     configs = [(m, r) for m in args.modes for r in args.ranks if not (m.startswith("none") and r > 1)]
     runs = {f"{m}/{r}": [] for m, r in configs}
+    results = {f"{m}/{r}": [] for m, r in configs}
     scratch = tempfile.mkdtemp(prefix="tfdist-scaling-")
     for repeat in range(args.repeats):
         order = configs if repeat % 2 == 0 else configs[::-1]
         for mode, ranks in order:
-            rate = run_one(mode, ranks, args.global_batch, args.extra, os.path.join(scratch, "r.json"))
+            result = run_one(mode, ranks, args.global_batch, args.extra, os.path.join(scratch, "r.json"))
+            rate = result["total_images_per_sec"]
             runs[f"{mode}/{ranks}"].append(rate)
+            results[f"{mode}/{ranks}"].append({**result, "repeat": repeat + 1})
             print(f"repeat {repeat + 1}: {mode:24s} {ranks} rank(s): {rate:8.2f} images/s", flush=True)
     lines = ["| mode | ranks | global batch | median images/s | min | max | vs 1 rank of this mode |",
              "|---|---|---|---|---|---|---|"]
@@ -74,7 +83,7 @@ def main():
         f.write(table + "\n")
     with open(f"{args.out}.json", "w") as f:
         json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                   "runs": runs, "args": vars(args)}, f, indent=1)
+                   "runs": runs, "args": vars(args), "every_run": results}, f, indent=1)
     plot(runs, configs, args, f"{args.out}.png")
 
 

@@ -1,0 +1,160 @@
+"""Per-rank settings that TensorFlow reads when it loads, applied before it loads.
+
+oneDNN (`TF_ENABLE_ONEDNN_OPTS`), the thread pools (`TF_NUM_INTRAOP_THREADS`,
+`TF_NUM_INTEROP_THREADS`), OpenMP variables and core pinning only count if they are in place
+before `import tensorflow`; set later, they silently do nothing. Three routes put them in place:
+
+- `tfdist-run` starts every rank as `python -m tfdist.startup -- <command>`, which applies this
+  rank's settings and then executes the command (same process, so Python starts already tuned);
+- `import tfdist` before `import tensorflow` applies them in the importing process;
+- `tfdist-benchmark` and `tfdist-tune` import tfdist first.
+
+```python
+import tfdist                 # applies this rank's settings (TFDIST_TUNING=0 turns this off)
+import tensorflow as tf
+print(tfdist.startup.state()) # what was set, by which route, and what the user had set already
+```
+
+The local rank and rank count come from the launcher's environment (horovodrun, Open MPI,
+MPICH/Intel MPI, an srun step). This module never imports TensorFlow: `tfdist-run` stays fast.
+"""
+
+import json
+import os
+import sys
+
+STATE_VARIABLE = "TFDIST_STARTUP"
+SWITCH_VARIABLE = "TFDIST_TUNING"  # "0"/"off": no early settings (HorovodStrategy(tuning=...) still runs)
+_LAYOUT_VARIABLES = (
+    ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def enabled(env=None):
+    env = os.environ if env is None else env
+    return env.get(SWITCH_VARIABLE, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def local_layout(env=None):
+    """(local rank, ranks on this node) from the launcher's environment; (0, 1) for one process."""
+    env = os.environ if env is None else env
+    for rank_name, size_name in _LAYOUT_VARIABLES:
+        if rank_name in env and size_name in env:
+            return int(env[rank_name]), int(env[size_name])
+    if "SLURM_STEP_ID" in env and "SLURM_LOCALID" in env and "SLURM_STEP_TASKS_PER_NODE" in env:
+        from tfdist.launch import expand_tasks_per_node
+
+        counts = expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
+        node = int(env.get("SLURM_NODEID", "0"))
+        return int(env["SLURM_LOCALID"]), counts[min(node, len(counts) - 1)]
+    return 0, 1
+
+
+def externally_bound(env=None):
+    """Whether the launcher already bound this process to cores (srun --cpu-bind, mpirun --bind-to)."""
+    env = os.environ if env is None else env
+    slurm = env.get("SLURM_CPU_BIND_TYPE", "").strip(",").lower()
+    ompi = env.get("OMPI_MCA_hwloc_base_binding_policy", "").lower()
+    return bool(slurm and slurm not in ("none", "none,")) or bool(ompi and ompi != "none")
+
+
+def state():
+    """What the early settings did in this process, or None: {"route", "set", "kept", "layout", ...}."""
+    found = _read_state()
+    return found if found and found.get("pid") == os.getpid() else None
+
+
+def set_by_tfdist():
+    """Variables that tfdist's early settings put in the environment (here or in a parent process)."""
+    return set((_read_state() or {}).get("set", {}))
+
+
+def node_cpus():
+    """The cpus this node lets the job use, before tfdist pinned this process to its share."""
+    mine = state()
+    if mine and mine.get("affinity_before"):
+        return set(mine["affinity_before"])
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def apply_early(route):
+    """Apply this rank's settings if TensorFlow has not loaded yet; returns `state()` (None: nothing done)."""
+    if "tensorflow" in sys.modules or not enabled():
+        return state()
+    if state():
+        return state()
+    from tfdist import tuning, tuning_cache
+
+    inherited = (_read_state() or {}).get("set", {})  # a parent tfdist process set these: ours to replace
+    local_rank, local_size = local_layout()
+    bound = externally_bound()
+    allowed = node_cpus()
+    topology = tuning.detect_topology(local_rank, 1 if bound else local_size, allowed=allowed, with_tf=False)
+    choice = tuning_cache.choice_for(local_size)
+    plan = tuning.make_plan(topology, **{**choice.get("overrides", {}), **({"pin": False} if bound else {})})
+    done, kept, previous = {}, {}, {}
+    for key, value in plan.env.items():
+        if key in os.environ and key not in inherited:
+            kept[key] = os.environ[key]  # the user's own setting wins
+            continue
+        previous[key] = inherited.get(key, {}).get("previous") if key in inherited else os.environ.get(key)
+        os.environ[key] = value
+        done[key] = {"value": value, "previous": previous[key]}
+    pinned = False
+    if plan.cpu_affinity and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, plan.cpu_affinity)
+        pinned = True
+    record = {"pid": os.getpid(), "route": route, "layout": [local_rank, local_size], "set": done,
+              "kept": kept, "pinned": list(plan.cpu_affinity) if pinned else [],
+              "affinity_before": sorted(allowed), "bound_by_launcher": bound,
+              "cached_choice": choice.get("source"), "reasons": list(plan.reasons)}
+    os.environ[STATE_VARIABLE] = json.dumps(record, separators=(",", ":"))
+    return record
+
+
+def undo():
+    """Take back what `apply_early` did in this process (launchers call this: their children tune
+    themselves). Only possible before TensorFlow loads; returns whether anything was undone."""
+    mine = state()
+    if not mine or "tensorflow" in sys.modules:
+        return False
+    for key, entry in mine["set"].items():
+        if entry["previous"] is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = entry["previous"]
+    if mine["pinned"] and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, mine["affinity_before"])
+    os.environ.pop(STATE_VARIABLE, None)
+    return True
+
+
+def _read_state():
+    try:
+        return json.loads(os.environ[STATE_VARIABLE])
+    except (KeyError, ValueError):
+        return None
+
+
+def main(argv=None):
+    """`python -m tfdist.startup -- command ...`: apply this rank's settings, then exec the command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m tfdist.startup -- command [args ...]", file=sys.stderr)
+        return 2
+    if apply_early("tfdist-run") is not None:
+        record = state()
+        record["route"] = "tfdist-run"
+        os.environ[STATE_VARIABLE] = json.dumps(record, separators=(",", ":"))
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
