@@ -98,7 +98,7 @@ def test_tuning_cache_round_trip(tmp_path, monkeypatch):
 def test_tfdist_tune_measures_tables_caches_and_later_jobs_start_tuned(tmp_path):
     env = {**TF_ENV, "TFDIST_CACHE_DIR": str(tmp_path / "cache")}
     command = [str(BIN / "tfdist-tune"), "--model", "trivial", "--image_size", "8", "--num_classes", "4",
-               "--global_batch", "8", "--steps", "2", "--candidates", "defaults", "onednn_flip", "plan", "ranks2",
+               "--global_batch", "8", "--steps", "2", "--repeats", "2", "--candidates", "defaults", "onednn_flip", "plan", "ranks2",
                "--json", str(tmp_path / "tune.json")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -106,7 +106,8 @@ def test_tfdist_tune_measures_tables_caches_and_later_jobs_start_tuned(tmp_path)
     assert [r["candidate"] for r in rows] == ["defaults", "onednn_flip", "ranks2"]  # plan repeats one of them
     defaults, flipped, two = rows
     assert flipped["in_effect"]["onednn"] != defaults["in_effect"]["onednn"]  # each ran as described
-    assert two["ranks"] == 2 and all(len(r["step_seconds"]) == 3 and r["images_per_sec"] > 0 for r in rows)
+    assert two["ranks"] == 2 and all(len(r["step_seconds"][0]) == 3 and r["images_per_sec"] > 0 for r in rows)
+    assert all(len(r["runs"]) == 2 for r in rows)  # every run kept, in alternating order
     assert "| candidate | ranks/node |" in done.stdout and "cached in" in done.stdout
     # a later process on this machine starts with the fastest 1-rank candidate, before TensorFlow loads
     best = max(rows[:2], key=lambda r: r["images_per_sec"])

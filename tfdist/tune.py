@@ -88,6 +88,35 @@ def run_candidate(name, ranks, choice, args, scratch):
     return result
 
 
+def measure(name, ranks, choice, args, scratch, repeat):
+    result = run_candidate(name, ranks, choice, args, scratch)
+    effect = result.get("in_effect", {})
+    row = {"candidate": name, "ranks": ranks, "settings": describe_choice(choice), "choice": choice,
+           "runs": [result["total_images_per_sec"]], "step_seconds": [result["step_seconds"]],
+           "in_effect": effect, "wall_seconds": round(result["wall_seconds"], 1)}
+    print(f"tfdist-tune: repeat {repeat}: {name:14s} {ranks} rank(s) {row['runs'][0]:7.2f} images/s  "
+          f"({row['settings']}; in effect: oneDNN {'on' if effect.get('onednn') else 'off'}; "
+          f"{row['wall_seconds']:.0f} s)", flush=True)
+    return row
+
+
+def merge_repeats(rows):
+    """One row per candidate, in first-run order: every run kept, the median as images_per_sec."""
+    import statistics
+
+    merged = {}
+    for row in rows:
+        if row["candidate"] in merged:
+            kept = merged[row["candidate"]]
+            kept["runs"] += row["runs"]
+            kept["step_seconds"] += row["step_seconds"]
+        else:
+            merged[row["candidate"]] = row
+    for row in merged.values():
+        row["images_per_sec"] = statistics.median(row["runs"])
+    return list(merged.values())
+
+
 def clean_env():
     """This environment without a surrounding job's launcher and tfdist variables."""
     prefixes = ("HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_STEP", "TFDIST_", "TF_NUM_", "TF_ENABLE_ONEDNN",
@@ -113,6 +142,7 @@ def main(argv=None):
     parser.add_argument("--global_batch", type=int, default=16)
     parser.add_argument("--precision", default="float32")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per candidate (after 1 warm-up)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per candidate, alternating order (median kept)")
     parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
     parser.add_argument("--max_ranks", type=int, default=None,
                         help="largest ranks per node to try (default: 2 if this node has 2 or more cores)")
@@ -128,6 +158,7 @@ def main(argv=None):
     if "defaults" in names:
         names.remove("defaults")
         names.insert(0, "defaults")
+    plan_rows = []
     for name in names:
         ranks, choice = candidate_settings(name, onednn_default)
         if ranks > max_ranks or args.global_batch % ranks:
@@ -136,17 +167,18 @@ def main(argv=None):
             same = "defaults" if onednn_default else "onednn_flip"
             print(f"tfdist-tune: plan: skipped, the same settings as {same} on this machine", flush=True)
             continue
-        result = run_candidate(name, ranks, choice, args, scratch)
-        effect = result.get("in_effect", {})
-        if name == "defaults":
-            onednn_default = effect.get("onednn")
-        row = {"candidate": name, "ranks": ranks, "settings": describe_choice(choice), "choice": choice,
-               "images_per_sec": result["total_images_per_sec"], "step_seconds": result["step_seconds"],
-               "in_effect": effect, "wall_seconds": round(result["wall_seconds"], 1)}
-        rows.append(row)
-        print(f"tfdist-tune: {name:14s} {ranks} rank(s)  {row['images_per_sec']:7.2f} images/s  "
-              f"({row['settings']}; in effect: oneDNN {'on' if effect.get('onednn') else 'off'}; "
-              f"{row['wall_seconds']:.0f} s)", flush=True)
+        plan_rows.append((name, ranks, choice))
+        if name == "defaults":  # learn TensorFlow's own oneDNN choice first: it decides the others
+            first = measure(name, ranks, choice, args, scratch, repeat=1)
+            onednn_default = first["in_effect"].get("onednn")
+            rows.append(first)
+    for repeat in range(1, args.repeats + 1):
+        order = plan_rows if repeat % 2 else plan_rows[::-1]
+        for name, ranks, choice in order:
+            if name == "defaults" and repeat == 1:
+                continue
+            rows.append(measure(name, ranks, choice, args, scratch, repeat))
+    rows = merge_repeats(rows)
     if not rows:
         parser.error("no candidate fits (check --candidates, --max_ranks and --global_batch)")
     print("\n" + format_table(rows, args))
@@ -199,10 +231,12 @@ def ensure_measured(local_rank, local_size):
 def format_table(rows, args):
     base = next((r["images_per_sec"] for r in rows if r["candidate"] == "defaults"), None)
     lines = [f"{model_signature(args)} on {tuning_cache.machine_key()}",
-             "| candidate | ranks/node | settings | images/s | vs TF defaults |", "|---|---|---|---|---|"]
+             "| candidate | ranks/node | settings | images/s (median) | runs | vs TF defaults |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['images_per_sec'] / base:.2f}x" if base else "-"
-        lines.append(f"| {r['candidate']} | {r['ranks']} | {r['settings']} | {r['images_per_sec']:.2f} | {ratio} |")
+        runs = ", ".join(f"{x:.2f}" for x in r["runs"])
+        lines.append(f"| {r['candidate']} | {r['ranks']} | {r['settings']} | {r['images_per_sec']:.2f} | {runs} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -212,6 +212,8 @@ def start(args):
     if args.variable_update == "tfdist":
         overrides = {k: v for k, v in (("intra_op_threads", args.num_intra_threads),
                                        ("inter_op_threads", args.num_inter_threads)) if v}
+        if args.onednn != "default":  # set before TensorFlow loaded (main); the plan must agree
+            overrides["onednn"] = args.onednn == "on"
         knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
         strategy = tfdist.HorovodStrategy(precision=args.precision, horovod=knobs,
                                           tuning=False if args.no_tuning else (overrides or True))
