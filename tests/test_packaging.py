@@ -60,7 +60,8 @@ def test_installed_package_imports_as_one_namespace(installed):
 def test_console_scripts_run_from_the_install(installed):
     _, target = installed
     for script, expect in (("tfdist-benchmark", "--variable_update"), ("tfdist-scaling", "--repeats"),
-                           ("tfdist-data", "convert"), ("tfdist-run", "--launcher")):
+                           ("tfdist-data", "convert"), ("tfdist-run", "--launcher"),
+                           ("tfdist-tune", "--candidates")):
         path = target / "bin" / script
         assert path.is_file(), script
         out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd="/",
