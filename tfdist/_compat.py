@@ -236,3 +236,35 @@ def rendezvous_classes():
 
     return SlotInfo, RendezvousHandler, RendezvousHTTPServer
 
+
+
+# --- Keras: BatchNormalization (tfdist.keras_fused_batchnorm) -------------------------------------
+
+# What the fused path reads of a Keras 3 BatchNormalization, beyond its weights: its constructor
+# arguments (kept as attributes of the same names) and the methods it replaces or must not skip.
+KERAS3_BATCHNORM_ARGS = ("axis", "momentum", "epsilon", "center", "scale", "synchronized", "renorm")
+
+
+def keras3_batch_normalization(hook):
+    """Keras 3's `keras.layers.BatchNormalization` on the TensorFlow backend, checked to define its
+    own `call(inputs, training, mask)` and `_moments` and to take `KERAS3_BATCHNORM_ARGS`."""
+    import inspect
+
+    keras = _import("keras", hook, "keras3")
+    if keras.backend.backend() != "tensorflow":
+        raise hook_error(hook, f"the Keras backend is {keras.backend.backend()!r}, not 'tensorflow'")
+    cls = getattr(keras.layers, "BatchNormalization", None)
+    if cls is None:
+        raise hook_error(hook, "keras.layers.BatchNormalization does not exist")
+    require_methods(cls, ["_moments"], hook)
+    call = vars(cls).get("call")
+    if not callable(call):
+        raise hook_error(hook, f"{cls.__module__}.{cls.__name__} does not define call() itself")
+    call = getattr(call, "tfdist_original", call)  # the signature of Keras' own call
+    if list(inspect.signature(call).parameters) != ["self", "inputs", "training", "mask"]:
+        raise hook_error(hook, f"{cls.__name__}.call{inspect.signature(call)} is not call(self, inputs, "
+                               "training=None, mask=None)")
+    missing = [a for a in KERAS3_BATCHNORM_ARGS if a not in inspect.signature(cls.__init__).parameters]
+    if missing:
+        raise hook_error(hook, f"{cls.__name__}() takes no {', '.join(missing)} argument")
+    return cls

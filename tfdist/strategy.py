@@ -29,6 +29,7 @@ from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
 from tfdist.errors import RankMismatchError
+from tfdist.keras_flavour import legacy_requested
 
 log = logging.getLogger("tfdist")
 
@@ -76,11 +77,14 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             across ranks now, and the first distributed dataset's batch size, structure and
             manifest (`tfdist.consistency`); a difference raises `RankMismatchError`.
         fingerprint: any string that must be equal on every rank (a config hash, a git commit).
+        fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
+            kernel, as tf-keras does (`tfdist.keras_fused_batchnorm`: same results, falls back
+            where it would differ); False leaves Keras' own implementation.
     """
 
     def __init__(self, device=None, *, batch_convention="global", compression=None, op="average", check_variables=True,
                  precision=None, tuning=True, horovod=None, watchdog=True, check_consistency=True,
-                 fingerprint=None):
+                 fingerprint=None, fused_batchnorm=True):
         tuning_lib.set_horovod_knobs(horovod or {})
         if tuning == "measure":
             from tfdist import startup, tune
@@ -114,6 +118,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         keras_metrics.install()
         keras_predict.install()
         keras_callbacks.install()
+        if fused_batchnorm and not legacy_requested():
+            from tfdist import keras_fused_batchnorm
+
+            keras_fused_batchnorm.install()
         precision_lib.install()
         if precision is not None:
             precision_lib.set_policy(precision)

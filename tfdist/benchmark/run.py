@@ -54,6 +54,8 @@ PARSER.add_argument("--keras", default="keras3", choices=["keras3", "tf_keras"])
 PARSER.add_argument("--no_tuning", action="store_true", help="tfdist: HorovodStrategy(tuning=False)")
 PARSER.add_argument("--onednn", choices=["default", "on", "off"], default="default",
                     help="TF_ENABLE_ONEDNN_OPTS before TensorFlow loads (default: leave it as TF/tuning decide)")
+PARSER.add_argument("--fused_batchnorm", choices=["on", "off"], default="on",
+                    help="tfdist on Keras 3: BatchNormalization on TensorFlow's fused kernel (HorovodStrategy's default)")
 PARSER.add_argument("--horovod_cycle_time_ms", type=float, help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
                     "summarise with scripts/profile_summary.py. Those steps run slower: compare profiles, not speeds")
@@ -216,8 +218,12 @@ def start(args):
             overrides["onednn"] = args.onednn == "on"
         knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
         strategy = tfdist.HorovodStrategy(precision=args.precision, horovod=knobs,
+                                          fused_batchnorm=args.fused_batchnorm == "on",
                                           tuning=False if args.no_tuning else (overrides or True))
         tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
+        from tfdist import keras_fused_batchnorm
+
+        tuning += f"; fused BatchNormalization: {'on' if keras_fused_batchnorm.is_installed() else 'off'}"
         return keras, strategy, tuning, strategy.size, strategy.rank
     _set_threads(tf, args)
     tuning = (f"TensorFlow defaults, except intra_op={args.num_intra_threads} inter_op={args.num_inter_threads}"
