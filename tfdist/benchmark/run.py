@@ -281,7 +281,8 @@ def main():
     header = [
         f"Model: {args.model}  Keras: {keras.__name__} {keras.__version__}  TF: {tf.__version__}  "
         f"Horovod: {horovod.__version__}",
-        f"Hardware: {os.cpu_count()} CPUs ({cpu_model()}), GPUs: {len(tf.config.list_physical_devices('GPU'))}",
+        f"Hardware: {os.cpu_count()} CPUs ({cpu_model()}), GPUs: {len(tf.config.list_physical_devices('GPU'))}"
+        + (f", oneDNN limited to ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}" if os.environ.get("ONEDNN_MAX_CPU_ISA") else ""),
         f"Mode: {args.variable_update}  ranks: {size}  batch/replica: {args.batch_size}  "
         f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  xla: {args.xla}",
         f"Data: {args.data_dir or 'synthetic (one batch made once, no I/O)'}",

@@ -82,7 +82,8 @@ def main():
     with open(f"{args.out}.md", "w") as f:
         f.write(table + "\n")
     with open(f"{args.out}.json", "w") as f:
-        json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        json.dump({"command": shlex.join(sys.argv),
+                   "environment": {k: v for k, v in os.environ.items() if k.startswith(("ONEDNN_", "DNNL_", "TF_", "OMP_", "KMP_", "HOROVOD_", "TFDIST_"))}, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "runs": runs, "args": vars(args), "every_run": results}, f, indent=1)
     plot(runs, configs, args, f"{args.out}.png")
 
