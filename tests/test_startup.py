@@ -98,7 +98,7 @@ def test_tuning_cache_round_trip(tmp_path, monkeypatch):
 def test_tfdist_tune_measures_tables_caches_and_later_jobs_start_tuned(tmp_path):
     env = {**TF_ENV, "TFDIST_CACHE_DIR": str(tmp_path / "cache")}
     command = [str(BIN / "tfdist-tune"), "--model", "trivial", "--image_size", "8", "--num_classes", "4",
-               "--global_batch", "8", "--steps", "2", "--repeats", "2", "--candidates", "defaults", "onednn_flip", "plan", "ranks2",
+               "--global_batch", "8", "--steps", "2", "--repeats", "2", "--budget", "0", "--candidates", "defaults", "onednn_flip", "plan", "ranks2",
                "--json", str(tmp_path / "tune.json")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -8,7 +8,8 @@ Each candidate runs `tfdist-benchmark` in a fresh process (oneDNN and the thread
 when TensorFlow loads, so nothing else measures them): one warm-up step, then `--steps` timed
 steps at the same global batch. The candidates:
 
-    defaults      TensorFlow as installed: no tfdist settings at all (the baseline)
+    defaults      TensorFlow's own settings: HorovodStrategy(tuning=False), nothing set before
+                  TensorFlow loads (the baseline; every candidate runs under HorovodStrategy)
     onednn_flip   tfdist's plan with oneDNN the other way round from TensorFlow's default
     plan          tfdist's built-in plan (skipped after `defaults`: it equals `defaults` where
                   oneDNN is on by default, else `onednn_flip`)
@@ -16,6 +17,12 @@ steps at the same global batch. The candidates:
     ranks2        2 ranks per node, each pinned to half the cores, 10 ms Horovod cycle
     ranks2_cycle1 the same with Horovod's default 1 ms cycle
     ranks2_nopin  2 ranks per node, not pinned
+
+A fresh process costs about 40 s before its first timed step with ResNet50 on 2 cores (importing
+TensorFlow, tracing and optimising the training graph), so `--budget` (seconds, default 180) stops
+starting candidates once the next one would not finish in time: the candidates are ordered by
+what they were worth in measurements (oneDNN, ranks per node and pinning first, 1 inter-op thread
+and a 1 ms Horovod cycle last, see docs/PERFORMANCE.md), and the skipped ones are named.
 
 It prints the table it measured and caches the fastest candidate per ranks-per-node for this
 (CPU model, cpus, TensorFlow version, model) in `tfdist.tuning_cache`. Later jobs on this machine
@@ -32,7 +39,8 @@ import time
 
 from tfdist import startup, tuning_cache
 
-CANDIDATES = ("defaults", "onednn_flip", "plan", "inter1", "ranks2", "ranks2_cycle1", "ranks2_nopin")
+# In the order they are measured: when --budget runs out, the last ones are skipped (and named).
+CANDIDATES = ("defaults", "onednn_flip", "plan", "ranks2", "ranks2_nopin", "inter1", "ranks2_cycle1")
 
 
 def candidate_settings(name, onednn_default):
@@ -52,7 +60,7 @@ def candidate_settings(name, onednn_default):
 
 def describe_choice(choice):
     if choice is None:
-        return "TensorFlow defaults (nothing set)"
+        return "TensorFlow's own settings (tuning=False)"
     o = choice.get("overrides", {})
     parts = [f"oneDNN {'on' if o.get('onednn') else 'off'}" if o.get("onednn") is not None else "oneDNN default",
              f"inter_op={o['inter_op_threads']}" if o.get("inter_op_threads") else "inter_op default",
@@ -69,7 +77,9 @@ def run_candidate(name, ranks, choice, args, scratch):
              "--image_size", str(args.image_size), "--num_classes", str(args.num_classes),
              "--batch_size", str(args.global_batch // ranks), "--num_warmup_batches", "1",
              "--num_batches", str(args.steps), "--display_every", str(args.steps), "--json", out,
-             "--variable_update", "none" if choice is None else "tfdist", "--precision", args.precision]
+             "--variable_update", "tfdist", "--precision", args.precision]
+    if choice is None:  # HorovodStrategy(tuning=False), nothing set early: TensorFlow's own settings
+        bench.append("--no_tuning")
     env = clean_env()
     if choice is None:
         env[startup.SWITCH_VARIABLE] = "0"
@@ -142,6 +152,8 @@ def main(argv=None):
     parser.add_argument("--global_batch", type=int, default=16)
     parser.add_argument("--precision", default="float32")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per candidate (after 1 warm-up)")
+    parser.add_argument("--budget", type=float, default=180,
+                        help="seconds: start no candidate that would end after this (0: no limit)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per candidate, alternating order (median kept)")
     parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
     parser.add_argument("--max_ranks", type=int, default=None,
@@ -158,7 +170,7 @@ def main(argv=None):
     if "defaults" in names:
         names.remove("defaults")
         names.insert(0, "defaults")
-    plan_rows = []
+    plan_rows, skipped = [], []
     for name in names:
         ranks, choice = candidate_settings(name, onednn_default)
         if ranks > max_ranks or args.global_batch % ranks:
@@ -177,7 +189,15 @@ def main(argv=None):
         for name, ranks, choice in order:
             if name == "defaults" and repeat == 1:
                 continue
+            spent = time.perf_counter() - began
+            per_candidate = spent / max(len(rows), 1)
+            if args.budget and rows and spent + per_candidate > args.budget:
+                skipped.append(f"{name} (repeat {repeat})")
+                continue
             rows.append(measure(name, ranks, choice, args, scratch, repeat))
+    if skipped:
+        print(f"tfdist-tune: --budget {args.budget:g} s: skipped {', '.join(skipped)} "
+              f"(about {per_candidate:.0f} s per candidate here; raise --budget to measure them)", flush=True)
     rows = merge_repeats(rows)
     if not rows:
         parser.error("no candidate fits (check --candidates, --max_ranks and --global_batch)")
@@ -195,6 +215,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": tuning_cache.machine_key(), "model": model_signature(args), "rows": rows,
+                       "skipped": skipped, "seconds": round(time.perf_counter() - began, 1),
                        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}, f, indent=1)
     return 0
 
