@@ -363,6 +363,13 @@ def test_tfdist_run_builds_each_launchers_command(monkeypatch):
     srun = run.build_command("srun", ["python", "t.py"], np=8, hosts="n1:4,n2:4", extra=["--cpus-per-task=2"])
     assert srun[1:] == ["--ntasks=8", "--nodelist=n1,n2", "--ntasks-per-node=4", "--kill-on-bad-exit=1",
                         "--cpus-per-task=2", py, "t.py"]
+    # unequal slots: srun has no per-node counts, so tasks are placed one per SLURM_HOSTFILE line
+    uneven = run.build_command("srun", ["python", "t.py"], hosts="n1:3,n2:1")
+    assert uneven[1:5] == ["--ntasks=4", "--nodelist=n1,n2", "--distribution=arbitrary", "--kill-on-bad-exit=1"]
+    assert run.srun_hostfile_lines("n1:3,n2:1") == ["n1", "n1", "n1", "n2"]
+    assert run.srun_hostfile_lines("n1:3,n2:1", np=2) == ["n1", "n1"]
+    with pytest.raises(run.UsageError, match="-np 5 is more than the 4 slots"):
+        run.srun_hostfile_lines("n1:3,n2:1", np=5)
     with pytest.raises(run.UsageError, match="-np is required"):
         run.build_command("horovodrun", ["python", "t.py"])
     with pytest.raises(run.UsageError, match="-H 'a:x'"):
@@ -392,6 +399,10 @@ def test_tfdist_run_dry_run_prints_the_command():
     assert out.strip() == f"{BIN / 'horovodrun'} -np 2 --gloo {wrap} {sys.executable} train.py --epochs 3"
     code, out, _ = tfdist_run("--dry-run", "--launcher", "srun", "-np", 4, "python", "train.py")
     assert code == 0 and out.split()[1:] == ["--ntasks=4", "--kill-on-bad-exit=1", *wrap.split(), sys.executable, "train.py"]
+    code, out, err = tfdist_run("--dry-run", "--launcher", "srun", "-H", "n1:3,n2:1", "python", "train.py")
+    assert code == 0 and "--distribution=arbitrary" in out
+    hostfile = err.split("SLURM_HOSTFILE=")[1].split(":")[0]
+    assert open(hostfile).read().split() == ["n1", "n1", "n1", "n2"]
     code, out, _ = tfdist_run("--dry-run", "--no-tuning", "-np", 2, "python", "train.py")
     assert code == 0 and out.strip() == f"{BIN / 'horovodrun'} -np 2 --gloo {sys.executable} train.py"
 

@@ -95,10 +95,21 @@ def build_command(launcher, command, np=None, hosts=None, extra=(), env=None):
             slots = {s for _, s in host_slots}
             if len(slots) == 1:
                 argv += [f"--ntasks-per-node={slots.pop()}"]
+            else:  # unequal counts: one line per task in SLURM_HOSTFILE (see srun_hostfile_lines)
+                argv += ["--distribution=arbitrary"]
         argv += ["--kill-on-bad-exit=1"]
     else:
         raise UsageError(f"--launcher {launcher!r}: expected one of {', '.join(LAUNCHERS)}")
     return argv + list(extra) + command
+
+
+def srun_hostfile_lines(hosts, np=None):
+    """SLURM_HOSTFILE for `srun --distribution=arbitrary`: task i runs on line i's host, so
+    '-H n1:3,n2:1' places 3 tasks on n1 and 1 on n2 (srun alone has no per-node counts)."""
+    lines = [name for name, slots in parse_hosts(hosts) for _ in range(slots)]
+    if np is not None and np > len(lines):
+        raise UsageError(f"-np {np} is more than the {len(lines)} slots of -H {hosts}")
+    return lines[:np] if np is not None else lines
 
 
 def horovod_has_mpi():
@@ -139,6 +150,15 @@ def main(argv=None):
         launcher = resolve_launcher(args.launcher)
         argv_out = build_command(launcher, command, args.np, args.hosts,
                                  shlex.split(args.launcher_args))
+        hostfile = None
+        if launcher == "srun" and "--distribution=arbitrary" in argv_out:
+            import tempfile
+
+            lines = srun_hostfile_lines(args.hosts, args.np)
+            with tempfile.NamedTemporaryFile("w", prefix="tfdist-hosts-", suffix=".txt", delete=False) as f:
+                f.write("\n".join(lines) + "\n")
+            hostfile = os.environ["SLURM_HOSTFILE"] = f.name
+            print(f"tfdist-run: SLURM_HOSTFILE={hostfile}: {' '.join(lines)}", file=sys.stderr)
         if launcher == "mpirun" and not horovod_has_mpi():
             if not args.dry_run:
                 raise UsageError(f"--launcher mpirun: {NO_MPI}")
