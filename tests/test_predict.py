@@ -1,0 +1,54 @@
+"""tfdist-predict's cost model against hand-computed cases and the seed's published ResNet50 table."""
+
+import pytest
+
+from tfdist import predict
+
+RESNET50 = predict.Rank(compute_s=0.1982, gradient_bytes=102.2e6)  # seed: 161.45 images/s per GPU at batch 32
+
+
+def test_ring_allreduce_alpha_beta_cost():
+    link = predict.Link(bandwidth_gbit=8, latency_us=10)  # 1 GB/s
+    # 4 ranks, one per node: 2*3 latencies + 2*3/4 of 100 MB at 1 GB/s
+    assert link.seconds(100e6, 4, 1) == pytest.approx(6 * 10e-6 + 1.5 * 0.1)
+    assert link.seconds(100e6, 1, 1) == 0.0
+    # all ranks on one node: node-local bandwidth (20x the link by default)
+    assert link.seconds(100e6, 4, 4) == pytest.approx(6 * 10e-6 + 1.5 * 0.1 / 20)
+
+
+def test_one_collective_exposes_everything_buckets_hide_all_but_the_tail():
+    link = predict.Link(bandwidth_gbit=25, latency_us=5)
+    step1, exposed1, comm1 = predict.step_time(RESNET50, link, 64, 8, bucket_bytes=0)
+    assert exposed1 == pytest.approx(comm1) and step1 == pytest.approx(RESNET50.compute_s + comm1)
+    step_b, exposed_b, comm_b = predict.step_time(RESNET50, link, 64, 8, bucket_bytes=25e6)
+    assert exposed_b < 0.4 * exposed1  # most of the communication overlaps backprop
+    last = link.seconds(102.2e6 - 4 * 25e6, 64, 8)
+    assert exposed_b >= last - 1e-12  # the last bucket can only start after the last gradient
+    assert predict.step_time(RESNET50, link, 1)[0] == RESNET50.compute_s
+
+
+def test_buckets_follow_backprop_and_cover_every_byte():
+    buckets = predict.bucket_schedule(RESNET50, 25e6)
+    assert sum(size for _, size in buckets) == pytest.approx(102.2e6)
+    times = [t for t, _ in buckets]
+    assert times == sorted(times) and times[-1] == pytest.approx(RESNET50.compute_s)
+    assert times[0] > RESNET50.compute_s * (1 - RESNET50.backward_fraction)
+
+
+def test_seed_table_64_gpus_within_10_percent_on_the_stated_link():
+    """Seed: 322.9 images/s on 2 GPUs, 9,318 on 64, batch 32 per GPU. Assumed: 8 GPUs per node,
+    25 Gbit/s with 10 us latency between nodes (the link of Horovod's own published benchmark),
+    Horovod-style fused buckets of 25 MB."""
+    rows = predict.table(RESNET50, predict.Link(25, 10), [2, 64], 8, 25e6, 32)
+    assert rows[0]["images_per_sec"] == pytest.approx(322.9, rel=0.02)
+    assert rows[1]["images_per_sec"] == pytest.approx(9318, rel=0.10)
+
+
+def test_command_prints_the_table_and_writes_a_png(tmp_path, capsys):
+    png = tmp_path / "p.png"
+    assert predict.main(["--compute_ms", "198.2", "--gradient_mb", "102.2", "--bandwidth_gbit", "25",
+                         "--ranks", "1", "8", "64", "--ranks_per_node", "8", "--batch_per_rank", "32",
+                         "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| buckets of 25 MB | 64 |" in out and "| one collective | 64 |" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,151 @@
+"""`tfdist-predict`: step time and scaling efficiency at N ranks, from one measured rank and a link.
+
+    tfdist-predict --compute_ms 198 --gradient_mb 102 --bandwidth_gbit 25 --latency_us 5 \\
+        --ranks 2 8 16 32 64 --ranks_per_node 8 --batch_per_rank 32 --png scaling.png
+
+The model (alpha-beta cost of a ring allreduce, minus what the bucket schedule hides):
+
+- One rank's step is `compute_ms`; its backward pass is the last `backward_fraction` of it, and
+  produces the gradients (`gradient_mb`) at an even rate, last layer first.
+- Gradients go out in buckets of `bucket_mb` (0: one collective after the last gradient, as
+  tfdist's one-collective mode). A bucket is ready when its last gradient is; the link sends one
+  bucket at a time, so bucket i starts at max(ready_i, end of bucket i-1).
+- A ring allreduce of m bytes over N ranks costs 2(N-1) alpha + 2(N-1)/N m / beta, alpha being
+  the link latency and beta its bandwidth. With several ranks per node only the hops between
+  nodes cross the network; those between ranks of one node use `intra_node_gbit` (default:
+  shared memory/NVLink, 20x the link). A ring visits each node once, so with `ranks_per_node` = M
+  there are N/M network hops per direction and N - N/M node-local ones: the slowest hop paces
+  the ring, so the bandwidth term uses the network's beta whenever there is more than one node.
+- Step time at N = max(compute, end of the last bucket) (+ nothing else: the optimizer update
+  is inside `compute_ms`, as it is in the measured step). Efficiency = step(1) / step(N), the
+  same per-rank batch (weak scaling); exposed communication = step(N) - compute.
+
+It prints a table per rank count and writes a PNG plot (images/s against ranks, ideal line).
+"""
+
+import argparse
+import dataclasses
+import math
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    bandwidth_gbit: float
+    latency_us: float
+    intra_node_gbit: float = None
+
+    def seconds(self, nbytes, ranks, ranks_per_node):
+        """One ring allreduce of `nbytes` over `ranks` ranks."""
+        if ranks <= 1:
+            return 0.0
+        nodes = math.ceil(ranks / max(ranks_per_node, 1))
+        gbit = self.bandwidth_gbit if nodes > 1 else (self.intra_node_gbit or 20 * self.bandwidth_gbit)
+        hops = 2 * (ranks - 1)
+        return hops * self.latency_us * 1e-6 + hops / ranks * nbytes * 8 / (gbit * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    compute_s: float
+    gradient_bytes: float
+    backward_fraction: float = 2 / 3
+
+
+def bucket_schedule(rank, bucket_bytes):
+    """(ready time, bytes) of each bucket, in the order backprop fills them."""
+    if not bucket_bytes or bucket_bytes >= rank.gradient_bytes:
+        return [(rank.compute_s, rank.gradient_bytes)]
+    count = math.ceil(rank.gradient_bytes / bucket_bytes)
+    backward = rank.compute_s * rank.backward_fraction
+    start = rank.compute_s - backward
+    buckets, sent = [], 0.0
+    for i in range(count):
+        size = min(bucket_bytes, rank.gradient_bytes - sent)
+        sent += size
+        buckets.append((start + backward * sent / rank.gradient_bytes, size))
+    return buckets
+
+
+def step_time(rank, link, ranks, ranks_per_node=1, bucket_bytes=0):
+    """Predicted seconds per step at `ranks` ranks: (step, exposed communication, total communication)."""
+    link_free, busy = 0.0, 0.0
+    for ready, size in bucket_schedule(rank, bucket_bytes):
+        cost = link.seconds(size, ranks, ranks_per_node)
+        link_free = max(ready, link_free) + cost
+        busy += cost
+    step = max(rank.compute_s, link_free)
+    return step, step - rank.compute_s, busy
+
+
+def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank):
+    rows = []
+    for n in ranks_list:
+        step, exposed, busy = step_time(rank, link, n, min(ranks_per_node, n), bucket_bytes)
+        rows.append({"ranks": n, "step_ms": step * 1e3, "exposed_ms": exposed * 1e3, "comm_ms": busy * 1e3,
+                     "efficiency": rank.compute_s / step,
+                     "images_per_sec": n * batch_per_rank / step if batch_per_rank else None})
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="tfdist-predict", description=__doc__.splitlines()[0])
+    parser.add_argument("--compute_ms", type=float, required=True, help="one rank's measured step (ms)")
+    parser.add_argument("--gradient_mb", type=float, required=True, help="gradient bytes per step, in MB (10^6)")
+    parser.add_argument("--backward_fraction", type=float, default=2 / 3)
+    parser.add_argument("--bucket_mb", type=float, default=25, help="0: one collective after backprop")
+    parser.add_argument("--bandwidth_gbit", type=float, required=True)
+    parser.add_argument("--latency_us", type=float, default=5)
+    parser.add_argument("--intra_node_gbit", type=float, help="between ranks of one node (default 20x the link)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--ranks_per_node", type=int, default=1)
+    parser.add_argument("--batch_per_rank", type=int, help="for images/s")
+    parser.add_argument("--png", help="write a plot of images/s (or efficiency) against ranks here")
+    args = parser.parse_args(argv)
+    if not 0 < args.backward_fraction <= 1:
+        parser.error(f"--backward_fraction {args.backward_fraction}: expected a fraction in (0, 1]")
+    rank = Rank(args.compute_ms / 1e3, args.gradient_mb * 1e6, args.backward_fraction)
+    link = Link(args.bandwidth_gbit, args.latency_us, args.intra_node_gbit)
+    modes = {"one collective": 0, f"buckets of {args.bucket_mb:g} MB": args.bucket_mb * 1e6} if args.bucket_mb else {
+        "one collective": 0}
+    results = {name: table(rank, link, args.ranks, args.ranks_per_node, size, args.batch_per_rank)
+               for name, size in modes.items()}
+    print(f"{args.compute_ms:g} ms compute, {args.gradient_mb:g} MB gradients, {args.bandwidth_gbit:g} Gbit/s, "
+          f"{args.latency_us:g} us, {args.ranks_per_node} rank(s) per node")
+    print("| schedule | ranks | step ms | exposed comm ms | comm ms | efficiency | images/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, rows in results.items():
+        for r in rows:
+            images = f"{r['images_per_sec']:.1f}" if r["images_per_sec"] else "-"
+            print(f"| {name} | {r['ranks']} | {r['step_ms']:.1f} | {r['exposed_ms']:.1f} | {r['comm_ms']:.1f} | "
+                  f"{r['efficiency']:.1%} | {images} |")
+    if args.png:
+        plot(results, args)
+    return 0
+
+
+def plot(results, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    per_image = bool(args.batch_per_rank)
+    for name, rows in results.items():
+        ax.plot([r["ranks"] for r in rows], [r["images_per_sec"] if per_image else r["efficiency"] for r in rows],
+                marker="o", label=name)
+    if per_image:
+        ideal = [n * args.batch_per_rank / (args.compute_ms / 1e3) for n in args.ranks]
+        ax.plot(args.ranks, ideal, linestyle="--", color="grey", label="linear")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("images/s" if per_image else "efficiency")
+    ax.set_title(f"{args.bandwidth_gbit:g} Gbit/s, {args.latency_us:g} us, {args.ranks_per_node} per node", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=100)
+    print(f"plot: {args.png}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
