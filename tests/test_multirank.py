@@ -68,6 +68,14 @@ def test_fp16_compressed_gradients_stay_identical_and_close(keras_flavor, tmp_pa
     assert_weights_close(ranks[0]["fp16_compression"], reference["fp16_compression"], atol=2e-3)
 
 
+def test_bucketed_allreduce_trains_like_one_collective_and_issues_one_op_per_bucket(keras_flavor, tmp_path_factory):
+    ranks, reference = train_results(keras_flavor, tmp_path_factory)
+    assert ranks[0]["bucketed/adam"]["final"] == ranks[1]["bucketed/adam"]["final"]
+    assert_weights_close(ranks[0]["bucketed/adam"]["final"], reference["bucketed/adam"]["final"])
+    assert_weights_close(ranks[0]["bucketed/adam"]["final"], ranks[0]["dense/adam"]["final"], atol=1e-6)
+    assert ranks[0]["bucketed/allreduce_ops"] == ranks[0]["bucketed/variables"] > 1
+
+
 def test_synchronized_batchnorm_uses_global_statistics(keras_flavor, tmp_path_factory):
     ranks, reference = train_results(keras_flavor, tmp_path_factory)
     assert ranks[0]["sync_batchnorm"] == ranks[1]["sync_batchnorm"]

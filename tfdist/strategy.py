@@ -77,6 +77,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             across ranks now, and the first distributed dataset's batch size, structure and
             manifest (`tfdist.consistency`); a difference raises `RankMismatchError`.
         fingerprint: any string that must be equal on every rank (a config hash, a git commit).
+        bucket_mb: 0 (default) sends each dtype's gradients as one grouped allreduce once the last
+            gradient exists; a size in MB sends them in buckets of about that size, last layers
+            first, each issued as soon as its gradients exist in the step graph, so the exchange
+            overlaps the rest of backprop (Horovod negotiates buckets in any order across ranks).
         fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
             kernel, as tf-keras does (`tfdist.keras_fused_batchnorm`: same results, falls back
             where it would differ); False leaves Keras' own implementation.
@@ -84,7 +88,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
 
     def __init__(self, device=None, *, batch_convention="global", compression=None, op="average", check_variables=True,
                  precision=None, tuning=True, horovod=None, watchdog=True, check_consistency=True,
-                 fingerprint=None, fused_batchnorm=True):
+                 fingerprint=None, fused_batchnorm=True, bucket_mb=0):
         tuning_lib.set_horovod_knobs(horovod or {})
         if tuning == "measure":
             from tfdist import startup, tune
@@ -109,9 +113,12 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
+        if bucket_mb < 0:
+            raise ValueError(f"bucket_mb={bucket_mb}: expected 0 (one collective) or a size in MB")
         extended = HorovodExtended(
             self, device, compression=compression, check_variables=check_variables,
             check_datasets=check_consistency, global_batch=batch_convention == "global",
+            bucket_bytes=int(bucket_mb * (1 << 20)),
         )
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
         tf.distribute.Strategy.__init__(self, extended)
@@ -166,10 +173,11 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
     """The strategy's implementation: OneDevice placement plus Horovod collectives."""
 
     def __init__(self, container_strategy, device, compression=None, check_variables=True,
-                 check_datasets=True, global_batch=True):
+                 check_datasets=True, global_batch=True, bucket_bytes=0):
         super().__init__(container_strategy, device)
         self._check_next_dataset = check_datasets and collectives.size() > 1
         self._compression = compression
+        self._bucket_bytes = bucket_bytes
         self._check_variables = check_variables
         self._global_batch = global_batch
         self._variable_count = 0
@@ -333,9 +341,15 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         if collectives.size() == 1:
             return values
         collectives.check_not_in_xla("HorovodStrategy's allreduce")
-        return collectives.allreduce(
-            values, op=_REDUCE_OPS[reduce_op], compression=self._compression
-        )
+        op = _REDUCE_OPS[reduce_op]
+        if not self._bucket_bytes:
+            return collectives.allreduce(values, op=op, compression=self._compression)
+        reduced = [None] * len(values)
+        for bucket in gradient_buckets(values, self._bucket_bytes):
+            for i, r in zip(bucket, collectives.allreduce([values[i] for i in bucket], op=op,
+                                                          compression=self._compression)):
+                reduced[i] = r
+        return reduced
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         value = _compat.distribute_utils.select_replica(0, value)
@@ -403,6 +417,22 @@ def multi_rank_strategy_of(model):
     if isinstance(strategy, HorovodStrategy) and collectives.size() > 1:
         return strategy
     return None
+
+
+def gradient_buckets(values, bucket_bytes):
+    """Indices of `values` grouped into buckets of about `bucket_bytes`, last value first: Keras
+    lists gradients in layer order and backprop produces the last layers' first."""
+    buckets, current, filled = [], [], 0
+    for i in reversed(range(len(values))):
+        value = values[i]
+        dense = not isinstance(value, tf.IndexedSlices) and value.shape.is_fully_defined()
+        nbytes = value.shape.num_elements() * value.dtype.size if dense else bucket_bytes
+        if current and filled + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += nbytes
+    return buckets + [current] if current else buckets
 
 
 def _shapes_agree(tensors):
