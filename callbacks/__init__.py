@@ -18,7 +18,7 @@ from tfdist.callbacks.lr_schedule import (
     step_decay,
 )
 from tfdist.callbacks.nonfinite import StopOnNonFiniteLoss
-from tfdist.callbacks.profiling import ProfileSteps
+from tfdist.callbacks.profiling import ProfileSteps, step_marker
 from tfdist.callbacks.skipped_records import SkippedRecordsReport
 
 __all__ = [
@@ -37,4 +37,5 @@ __all__ = [
     "polynomial_decay",
     "scale_learning_rate",
     "step_decay",
+    "step_marker",
 ]

@@ -36,6 +36,16 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
   command -v "$PYTHON" >/dev/null || PYTHON=python3
 fi
+# Headless Chromium for the test that opens TensorBoard's pages in a real browser. Optional: where
+# it cannot be installed (no apt, no package) that test skips and says why.
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+  if command -v apt-get >/dev/null && log "installing chromium (for the browser test)" \
+      && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; then
+    :
+  else
+    log "chromium not installed: the TensorBoard browser test will skip"
+  fi
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"

@@ -61,7 +61,8 @@ def test_console_scripts_run_from_the_install(installed):
     _, target = installed
     for script, expect in (("tfdist-benchmark", "--variable_update"), ("tfdist-scaling", "--repeats"),
                            ("tfdist-data", "convert"), ("tfdist-run", "--launcher"),
-                           ("tfdist-tune", "--candidates")):
+                           ("tfdist-tune", "--candidates"), ("tfdist-profile", "--view"),
+                           ("tfdist-predict", "--bandwidth_gbit")):
         path = target / "bin" / script
         assert path.is_file(), script
         out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd="/",

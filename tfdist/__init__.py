@@ -34,7 +34,8 @@ if "tensorflow" not in _sys.modules:
 # first use: most import TensorFlow (seconds), which `tfdist-run` and the error classes must not wait for.
 _SUBMODULES = frozenset({
     "benchmark", "callbacks", "collectives", "consistency", "input_contract", "keras_flavour", "launch",
-    "pipelines", "precision", "rendezvous", "run", "startup", "strategy", "tune", "tuning", "tuning_cache",
+    "pipelines", "precision", "profile_summary", "rendezvous", "run", "startup", "strategy", "tune", "tuning",
+    "tuning_cache",
     "watchdog",
 })
 

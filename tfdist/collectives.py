@@ -14,8 +14,14 @@ collectives.init()
 total = collectives.allreduce([tf.constant(1.0)], op="sum")[0]   # == size
 config = collectives.broadcast_object({"lr": 0.1} if collectives.rank() == 0 else None)
 ```
+
+In the TensorFlow profiler's trace each collective is named (`named()`): its ops sit under
+`tfdist_allreduce/`, `tfdist_broadcast/`, `tfdist_allgather/` or the scope its caller gives
+(`tfdist_metric_sync`, `tfdist_loss_scale_agreement`). `start_timeline()` /
+`stop_timeline()` record Horovod's own timeline for chosen steps (callbacks.ProfileSteps).
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -129,6 +135,27 @@ def allgather_object(value, name="tfdist.objects"):
     return [json.loads(joined[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
+@contextlib.contextmanager
+def named(scope):
+    """Name the collective ops built inside as `scope` in the profiler's trace viewer.
+
+    ```python
+    with collectives.named("tfdist_metric_sync"):
+        totals = collectives.allreduce(values)
+    ```
+
+    In a graph (`tf.function`, `model.fit`) it is a `tf.name_scope`, so the ops are
+    `.../scope/HorovodAllreduce...`; run eagerly, where ops have no scope, it is a profiler range
+    of that name around them (free when the profiler is off).
+    """
+    if tf.executing_eagerly():
+        with tf.profiler.experimental.Trace(scope):
+            yield
+    else:
+        with tf.name_scope(scope):
+            yield
+
+
 def _op(name):
     try:
         return getattr(horovod(), _OPS[name])
@@ -136,14 +163,19 @@ def _op(name):
         raise ValueError(f"unknown reduction {name!r}; expected one of {sorted(_OPS)}") from None
 
 
-def allreduce(tensors, op="sum", name=None, compression=None):
+def allreduce(tensors, op="sum", name=None, compression=None, scope="tfdist_allreduce"):
     """Reduce a list of tensors (dense or `tf.IndexedSlices`) across ranks, fused by dtype.
 
     The list order must be the same on every rank. Tensors of one dtype go into one grouped
     allreduce, which Horovod fuses into as few collectives as its fusion buffer allows.
     An average of integer tensors is a floor division of the sum, keeping the dtype.
+    `scope` names it in the profiler's trace viewer (see `named`).
     """
-    tensors = list(tensors)
+    with named(scope):
+        return _allreduce(list(tensors), op, name, compression)
+
+
+def _allreduce(tensors, op, name, compression):
     hvd = horovod()
     by_dtype = {}
     for i, t in enumerate(tensors):
@@ -186,12 +218,50 @@ def adasum_refusal():
             "1/num_replicas_in_sync, which Adasum must not see). Use op='average'.")
 
 
-def broadcast(tensor, root_rank=0, name=None):
-    return horovod().broadcast(tensor, root_rank=root_rank, name=name)
+def broadcast(tensor, root_rank=0, name=None, scope="tfdist_broadcast"):
+    with named(scope):
+        return horovod().broadcast(tensor, root_rank=root_rank, name=name)
 
 
-def allgather(tensor, name=None):
-    return horovod().allgather(tensor, name=name)
+def allgather(tensor, name=None, scope="tfdist_allgather"):
+    with named(scope):
+        return horovod().allgather(tensor, name=name)
+
+
+def timeline_mode():
+    """How this job can record Horovod's timeline, from `HOROVOD_TIMELINE` as `hvd.init()` read it.
+
+    "dynamic" (`HOROVOD_TIMELINE=DYNAMIC`): nothing is recorded until `start_timeline()`.
+    "file": a timeline of the whole job is being written to that path. None: unset, and Horovod
+    refuses `start_timeline()` for the rest of the process.
+    """
+    value = os.environ.get("HOROVOD_TIMELINE", "")
+    if not value:
+        return None
+    return "dynamic" if value == "DYNAMIC" else "file"
+
+
+def start_timeline(path):
+    """Record Horovod's timeline (a Chrome trace) into `path` until `stop_timeline()`.
+
+    ```python
+    collectives.start_timeline("runs/job/horovod_timeline.json")   # every rank calls it
+    ```
+
+    Horovod's coordinator (rank 0) writes the file, with every rank's readiness for each
+    collective. Needs `timeline_mode() == "dynamic"`; otherwise raises ValueError saying so.
+    """
+    if timeline_mode() != "dynamic":
+        raise ValueError(
+            f"start_timeline({path!r}): Horovod records a timeline on demand only when the job starts "
+            f"with HOROVOD_TIMELINE=DYNAMIC (now {os.environ.get('HOROVOD_TIMELINE')!r}); set it in the "
+            "environment or pass HorovodStrategy(horovod={'timeline': 'DYNAMIC'})")
+    horovod().start_timeline(path, mark_cycles=False)
+
+
+def stop_timeline():
+    """Stop the timeline started by `start_timeline()` and close its file."""
+    horovod().stop_timeline()
 
 
 def signature(values, width=12):

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfdist import _compat, collectives
 
 HOOK = "global metrics"
+SCOPE = "tfdist_metric_sync"  # the metric-state collectives' name in the profiler's trace viewer
 
 _state = threading.local()
 _installed = set()
@@ -86,11 +87,12 @@ def global_values(variables):
     kinds = [_aggregation_name(v) for v in variables]
     for kind, op in (("sum", "sum"), ("mean", "average")):
         picked = [i for i, k in enumerate(kinds) if k == kind]
-        for i, reduced in zip(picked, collectives.allreduce([values[i] for i in picked], op=op)):
-            values[i] = reduced
+        reduced = collectives.allreduce([values[i] for i in picked], op=op, scope=SCOPE)
+        for i, value in zip(picked, reduced):
+            values[i] = value
     for i, kind in enumerate(kinds):
         if kind == "only_first_replica":
-            values[i] = collectives.broadcast(values[i], 0, name=f"tfdist.metric_first.{i}")
+            values[i] = collectives.broadcast(values[i], 0, name=f"tfdist.metric_first.{i}", scope=SCOPE)
     return values
 
 

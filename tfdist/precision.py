@@ -101,7 +101,8 @@ def install():
             if not _under_horovod():
                 return finite
             # One tiny allreduce that every rank issues, whatever its own gradients hold.
-            overflowed = collectives.allreduce([tf.cast(tf.logical_not(finite), tf.int32)], op="sum")[0]
+            overflowed = collectives.allreduce([tf.cast(tf.logical_not(finite), tf.int32)], op="sum",
+                                               scope="tfdist_loss_scale_agreement")[0]
             return tf.equal(overflowed, 0)
 
         return check_finite
