@@ -54,6 +54,7 @@ def test_tensorflow_first_is_reported_as_not_in_effect_with_the_fix():
             "import tfdist, json, os\n"
             "os.environ['TFDIST_TUNING_CHOICE'] = json.dumps({'overrides': {'onednn': not default}})\n"
             "s = tfdist.HorovodStrategy(watchdog=False, check_consistency=False)\n"
+            "s = tfdist.HorovodStrategy(watchdog=False, check_consistency=False)  # tfdist's own settings are not 'yours'\n"
             "print('DEFAULT', default, 'ACTIVE', tuning.onednn_active())\n")
     done = python(code)
     default = "DEFAULT True" in done.stdout
@@ -62,6 +63,7 @@ def test_tensorflow_first_is_reported_as_not_in_effect_with_the_fix():
     assert f"oneDNN {'on' if default else 'off'} (no early settings)" in summary
     assert f"NOT in effect: TF_ENABLE_ONEDNN_OPTS={0 if default else 1}" in done.stderr
     assert "import tfdist before tensorflow" in done.stderr and "tfdist-run" in done.stderr
+    assert "kept your" not in done.stdout
 
 
 def test_user_settings_win_and_undo_restores_the_process():

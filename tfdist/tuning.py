@@ -174,6 +174,8 @@ def detect_topology(local_rank=0, local_size=1, allowed=None, with_tf=True):
     )
 
 
+_SET_BY_APPLY = set()  # variables `apply` put in the environment: tfdist's, not the user's
+
 _READ_AT_LOAD = ("TF_ENABLE_ONEDNN_OPTS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
                  "OMP_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME", "KMP_SETTINGS")
 
@@ -195,6 +197,7 @@ def apply(plan):
                 if not (key == "TF_ENABLE_ONEDNN_OPTS" and onednn_active() == (value == "1")):
                     too_late.append(f"{key}={value}")
             os.environ[key] = value
+            _SET_BY_APPLY.add(key)
     if plan.cpu_affinity and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, plan.cpu_affinity)
     import tensorflow as tf
@@ -267,7 +270,8 @@ def tune_this_rank(options, horovod_defaults):
     if choice:
         reasons.append(f"settings from {choice['source']}")
     reasons += [reason for _, reason in horovod_defaults.values()]
-    users = {k: os.environ[k] for k in plan.env if k in os.environ and k not in startup.set_by_tfdist()}
+    ours = startup.set_by_tfdist() | _SET_BY_APPLY
+    users = {k: os.environ[k] for k in plan.env if k in os.environ and k not in ours}
     if users:
         reasons.append("kept your " + " ".join(f"{k}={v}" for k, v in users.items()))
     env = {k: v for k, v in plan.env.items() if k not in users}
