@@ -30,7 +30,12 @@ command -v "$PYTHON" >/dev/null || need_apt+=(python3 python3-venv python3-dev)
 command -v g++ >/dev/null || need_apt+=(g++)
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v make >/dev/null || need_apt+=(make)
-command -v ip >/dev/null || need_apt+=(iproute2)  # the two-host network-namespace test
+command -v ip >/dev/null || need_apt+=(iproute2)  # network-namespace hosts (launch test, emulated links)
+command -v tc >/dev/null || need_apt+=(iproute2)
+# Open MPI: Horovod is built with MPI as well as Gloo, for mpirun jobs and Adasum.
+command -v mpicxx >/dev/null || need_apt+=(openmpi-bin libopenmpi-dev)
+# A one-node Slurm cluster for the sbatch/srun tests (they skip with the reason where it cannot start).
+command -v slurmd >/dev/null || need_apt+=(slurm-wlm munge)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing system packages: ${need_apt[*]}"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
@@ -90,5 +95,6 @@ check=$("$VENV/bin/horovodrun" -cb 2>/dev/null)
 echo "$check" >&2
 grep -q "\[X\] TensorFlow" <<<"$check" || { log "horovod lacks TensorFlow support"; exit 1; }
 grep -q "\[X\] Gloo" <<<"$check" || { log "horovod lacks Gloo support"; exit 1; }
+grep -q "\[X\] MPI" <<<"$check" || { log "horovod lacks MPI support (is mpicxx from libopenmpi-dev installed?)"; exit 1; }
 echo "$WANT" > "$STAMP"
 log "ready: $VENV"

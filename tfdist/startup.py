@@ -85,15 +85,12 @@ def apply_early(route):
         return state()
     if state():
         return state()
-    from tfdist import tuning, tuning_cache
+    from tfdist import tuning
 
     inherited = (_read_state() or {}).get("set", {})  # a parent tfdist process set these: ours to replace
     local_rank, local_size = local_layout()
-    bound = externally_bound()
     allowed = node_cpus()
-    topology = tuning.detect_topology(local_rank, 1 if bound else local_size, allowed=allowed, with_tf=False)
-    choice = tuning_cache.choice_for(local_size)
-    plan = tuning.make_plan(topology, **{**choice.get("overrides", {}), **({"pin": False} if bound else {})})
+    plan, choice = tuning.plan_for_rank(local_rank, local_size, with_tf=False)
     done, kept, previous = {}, {}, {}
     for key, value in plan.env.items():
         if key in os.environ and key not in inherited:
@@ -108,7 +105,7 @@ def apply_early(route):
         pinned = True
     record = {"pid": os.getpid(), "route": route, "layout": [local_rank, local_size], "set": done,
               "kept": kept, "pinned": list(plan.cpu_affinity) if pinned else [],
-              "affinity_before": sorted(allowed), "bound_by_launcher": bound,
+              "affinity_before": sorted(allowed), "bound_by_launcher": externally_bound(),
               "cached_choice": choice.get("source"), "reasons": list(plan.reasons)}
     os.environ[STATE_VARIABLE] = json.dumps(record, separators=(",", ":"))
     return record

@@ -176,8 +176,26 @@ def detect_topology(local_rank=0, local_size=1, allowed=None, with_tf=True):
 
 _SET_BY_APPLY = set()  # variables `apply` put in the environment: tfdist's, not the user's
 
-_READ_AT_LOAD = ("TF_ENABLE_ONEDNN_OPTS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
-                 "OMP_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME", "KMP_SETTINGS")
+# Read once when TensorFlow loads and never again. (TF_NUM_*_THREADS are read at load too, but the
+# thread pools can still be set through tf.config until the first op runs: `apply` does that.)
+_FIXED_AT_LOAD = ("TF_ENABLE_ONEDNN_OPTS", "OMP_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME", "KMP_SETTINGS")
+
+
+def plan_for_rank(local_rank, local_size, overrides=None, with_tf=True):
+    """This rank's plan: its share of the node (unless the launcher bound it) and any cached choice.
+
+    One place for what `tfdist.startup` (before TensorFlow loads) and `HorovodStrategy` (after)
+    both decide; returns (plan, cached choice).
+    """
+    from tfdist import startup, tuning_cache
+
+    bound = startup.externally_bound()
+    topology = detect_topology(local_rank, 1 if bound else local_size, allowed=startup.node_cpus(),
+                               with_tf=with_tf)
+    choice = tuning_cache.choice_for(local_size)
+    plan = make_plan(topology, **{**choice.get("overrides", {}), **({"pin": False} if bound else {}),
+                                  **(overrides or {})})
+    return plan, choice
 
 
 def apply(plan):
@@ -193,7 +211,7 @@ def apply(plan):
     tf_loaded = "tensorflow" in sys.modules
     for key, value in plan.env.items():
         if os.environ.get(key) != value:
-            if tf_loaded and key in _READ_AT_LOAD and key not in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+            if tf_loaded and key in _FIXED_AT_LOAD:
                 if not (key == "TF_ENABLE_ONEDNN_OPTS" and onednn_active() == (value == "1")):
                     too_late.append(f"{key}={value}")
             os.environ[key] = value
@@ -257,15 +275,11 @@ def tune_this_rank(options, horovod_defaults):
     The plan's settings that TensorFlow reads when it loads were applied then by `tfdist.startup`
     (if it ran). What did not take effect is named once, on the chief, with the fix.
     """
-    from tfdist import collectives, startup, tuning_cache
+    from tfdist import collectives, startup
 
-    overrides = options if isinstance(options, dict) else {}
     early = startup.state()
-    local_size = collectives.local_size()
-    bound = startup.externally_bound()
-    topology = detect_topology(collectives.local_rank(), 1 if bound else local_size, allowed=startup.node_cpus())
-    choice = tuning_cache.choice_for(local_size)
-    plan = make_plan(topology, **{**choice.get("overrides", {}), **({"pin": False} if bound else {}), **overrides})
+    plan, choice = plan_for_rank(collectives.local_rank(), collectives.local_size(),
+                                 options if isinstance(options, dict) else {})
     reasons = list(plan.reasons)
     if choice:
         reasons.append(f"settings from {choice['source']}")
