@@ -34,6 +34,10 @@ from tfdist.errors import TfdistError
 log = logging.getLogger("tfdist")
 
 MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+# Inside an srun step, PMI_RANK alone comes from `srun --mpi=pmi2` (a common MpiDefault), and Open
+# MPI, which Horovod is normally built with, aborts in MPI_Init_thread there; it starts from PMIx
+# (`srun --mpi=pmix`). So in a step only these select MPI, and PMI-2 tasks take the Gloo path.
+SRUN_MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 DEFAULT_TIMEOUT_S = 120
 PORT_BASE, PORT_SPAN = 20000, 10000
@@ -66,8 +70,14 @@ def detect_launcher(env=None, mpi_built=False):
     """'horovodrun', 'mpi', 'slurm' or 'none': who started this process, as far as Horovod cares.
 
     MPI counts only when this Horovod has MPI (`mpi_built`); otherwise an srun task with PMI
-    variables is still a Slurm task. A Slurm task is one `srun` started (`SLURM_STEP_NUM_TASKS`). `TFDIST_LAUNCHER=none` turns the Slurm path off,
-    `TFDIST_LAUNCHER=slurm` forces it.
+    variables is still a Slurm task. A Slurm task is one `srun` started (`SLURM_STEP_NUM_TASKS`);
+    in one, MPI needs `PMIX_RANK` (`srun --mpi=pmix`) or `OMPI_COMM_WORLD_RANK`, since `PMI_RANK`
+    alone (`--mpi=pmi2`) does not start Open MPI. `TFDIST_LAUNCHER=none` turns the Slurm path off
+    (Horovod then initialises on its own, e.g. an MPICH build from PMI-2), `TFDIST_LAUNCHER=slurm`
+    forces it.
+
+    >>> detect_launcher({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "PMI_RANK": "0"}, mpi_built=True)
+    'slurm'
     """
     env = os.environ if env is None else env
     choice = env.get("TFDIST_LAUNCHER", "auto")
@@ -78,7 +88,8 @@ def detect_launcher(env=None, mpi_built=False):
     if choice == "auto":
         if "HOROVOD_RANK" in env:
             return "horovodrun"
-        if mpi_built and any(v in env for v in MPI_RANK_VARIABLES):
+        in_step = "SLURM_STEP_NUM_TASKS" in env
+        if mpi_built and any(v in env for v in (SRUN_MPI_RANK_VARIABLES if in_step else MPI_RANK_VARIABLES)):
             return "mpi"
     # srun sets SLURM_STEP_NUM_TASKS for its tasks; the batch script itself (also SLURM_PROCID=0)
     # has none and runs as a 1-process job.
