@@ -307,8 +307,9 @@ def main():
     if history is not None:
         result.update(accuracy_summary(args, history))
         if rank == 0:
-            print(f"final test accuracy: {result['final_test_accuracy']}  time to "
-                  f"{args.target_accuracy}: {result['seconds_to_target']}")
+            target = (f"  time to {args.target_accuracy}: {result['seconds_to_target']}"
+                      if args.target_accuracy else "")
+            print(f"final test accuracy: {result['final_test_accuracy']}{target}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
