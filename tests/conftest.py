@@ -29,8 +29,11 @@ def _environment_restored():
         os.environ.update(saved)
 
 
-def run_job(args, out_dir, np=2, env=None, timeout=420):
+def run_job(args, out_dir, np=2, env=None, timeout=420, launcher="horovodrun"):
     """Run `python ARGS --out OUT_DIR` under `horovodrun -np NP --gloo` (np=None: one plain process).
+
+    `launcher="mpirun"`: under the mpirun command `tfdist-run --launcher mpirun` builds
+    (`tfdist.run.build_command`); `"tfdist-run mpirun"`: through `tfdist-run --launcher mpirun`.
 
     Returns {rank: results dict}. A job that exceeds `timeout` is killed with its whole process
     group and fails the test, so a hang can never stall the suite.
@@ -38,9 +41,17 @@ def run_job(args, out_dir, np=2, env=None, timeout=420):
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, *map(str, args), "--out", str(out_dir)]
-    if np is not None:
-        command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", *command]
     job_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **(env or {})}
+    if np is not None and launcher == "horovodrun":
+        command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", *command]
+    elif np is not None and launcher == "mpirun":
+        from tfdist.run import build_command
+
+        command = build_command("mpirun", command, np, env=job_env)
+    elif np is not None and launcher == "tfdist-run mpirun":
+        command = [str(BIN / "tfdist-run"), "--launcher", "mpirun", "-np", str(np), *command]
+    elif np is not None:
+        raise ValueError(f"run_job: unknown launcher {launcher!r}")
     proc = subprocess.Popen(
         command, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
@@ -48,7 +59,14 @@ def run_job(args, out_dir, np=2, env=None, timeout=420):
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if launcher != "horovodrun":  # mpirun gives each rank its own process group: it stops them
+            proc.terminate()
+            try:
+                proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         raise JobFailed(f"job timed out after {timeout}s: {' '.join(command)}\n{_tail(output)}")
     if proc.returncode != 0:

@@ -107,7 +107,10 @@ def test_missing_horovod_gives_install_command():
 
 
 def test_bad_strategy_options_are_refused_with_reasons(strategy):
-    with pytest.raises(ValueError, match="op='adasum'.*Gloo only"):
-        tfdist.HorovodStrategy(op="adasum")
+    with pytest.raises(ValueError, match="op='max': HorovodStrategy supports op='average' or op='adasum'"):
+        tfdist.HorovodStrategy(op="max")
+    if not tfdist.collectives.horovod().mpi_built():
+        with pytest.raises(ValueError, match="op='adasum'.*Gloo only"):
+            tfdist.HorovodStrategy(op="adasum")
     with pytest.raises(ValueError, match="compression='zip'"):
         tfdist.HorovodStrategy(compression="zip")

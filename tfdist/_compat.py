@@ -132,6 +132,15 @@ def keras3_trainer_class(hook):
     raise hook_error(hook, "keras.Model has no TensorFlowTrainer base (is the backend TensorFlow?)")
 
 
+def keras3_tf_optimizer_class(hook):
+    """Keras 3's TensorFlow optimizer base (`TFOptimizer`), which all-reduces the gradients."""
+    keras = _import("keras", hook, "keras3")
+    for cls in keras.optimizers.Optimizer.__mro__:
+        if cls.__name__ == "TFOptimizer":
+            return cls
+    raise hook_error(hook, "keras.optimizers.Optimizer has no TFOptimizer base (is the backend TensorFlow?)")
+
+
 def tf_keras_model_class(hook):
     return _import("tf_keras", hook, "tf_keras").Model
 

@@ -1,4 +1,4 @@
-"""Horovod collectives behind a small interface: init, allreduce, broadcast, allgather.
+"""Horovod collectives behind a small interface: init, allreduce, adasum, broadcast, allgather.
 
 Everything in tfdist (strategy, callbacks, pipelines) that talks to other ranks goes through this
 module, so the rest of the package never imports Horovod directly and a missing or half-built
@@ -16,8 +16,8 @@ config = collectives.broadcast_object({"lr": 0.1} if collectives.rank() == 0 els
 ```
 
 In the TensorFlow profiler's trace each collective is named (`named()`): its ops sit under
-`tfdist_allreduce/`, `tfdist_broadcast/`, `tfdist_allgather/` or the scope its caller gives
-(`tfdist_metric_sync`, `tfdist_loss_scale_agreement`). `start_timeline()` /
+`tfdist_allreduce/`, `tfdist_adasum/`, `tfdist_broadcast/`, `tfdist_allgather/` or the scope its
+caller gives (`tfdist_metric_sync`, `tfdist_loss_scale_agreement`). `start_timeline()` /
 `stop_timeline()` record Horovod's own timeline for chosen steps (callbacks.ProfileSteps).
 """
 
@@ -208,14 +208,56 @@ def compression(value):
     return value
 
 
-def adasum_refusal():
+def adasum_refusal(size=None):
+    """Why `op="adasum"` cannot run in this job (a message naming the fix), or None when it can.
+
+    Horovod's Adasum runs only on its MPI controller (a Gloo job fails inside the first
+    collective), and only on a power-of-2 number of ranks.
+    """
     hvd = horovod()
+    size = hvd.size() if size is None else size
     if not hvd.mpi_built():
         return ("op='adasum': Horovod's Adasum runs on its MPI controller, and this Horovod was "
-                "built with Gloo only (install an MPI such as Debian's libopenmpi-dev before "
-                "scripts/bootstrap.sh, and launch with mpirun). Use op='average'.")
-    return ("op='adasum': not supported by HorovodStrategy yet (Keras scales the loss by "
-            "1/num_replicas_in_sync, which Adasum must not see). Use op='average'.")
+                "built with Gloo only. Install an MPI (e.g. Debian's libopenmpi-dev), rebuild with "
+                "scripts/bootstrap.sh and launch with `tfdist-run --launcher mpirun`; or use op='average'.")
+    if size > 1 and not hvd.mpi_enabled():
+        return ("op='adasum': Horovod's Adasum runs on its MPI controller, and this job runs on Gloo "
+                "(started by horovodrun --gloo, or srun without MPI). Launch with "
+                "`tfdist-run --launcher mpirun -np N ...` (or `horovodrun --mpi`); or use op='average'.")
+    if size & (size - 1):
+        return (f"op='adasum': Horovod's Adasum needs a power-of-2 number of ranks, and this job has "
+                f"{size}. Launch 1, 2, 4, 8, ... ranks; or use op='average'.")
+    return None
+
+
+def adasum(tensors, num_replicas, compression=None, scope="tfdist_adasum"):
+    """Combine gradients across ranks with Horovod's Adasum, one tensor at a time.
+
+    ```python
+    grads = collectives.adasum(grads, strategy.num_replicas_in_sync)   # under mpirun, 2^k ranks
+    ```
+
+    For two ranks' gradients a, b of one tensor: (1 - a.b/(2|a|^2)) a + (1 - a.b/(2|b|^2)) b
+    (the sum when they are orthogonal, a itself when a == b); more ranks combine pairwise in a
+    tree. Keras divides each replica's loss by `num_replicas` before differentiating, and Adasum
+    is homogeneous of degree 1, so the result is multiplied by `num_replicas` once: it is the
+    Adasum of the ranks' unscaled gradients. `tf.IndexedSlices` are densified (Horovod's Adasum
+    is dense only); tensors Horovod queues separately still share its fusion buffer.
+    """
+    hvd = horovod()
+    kwargs = {"op": hvd.Adasum}
+    if compression is not None:
+        kwargs["compression"] = compression
+    with named(scope):
+        out = []
+        for t in tensors:
+            t = tf.convert_to_tensor(t)  # IndexedSlices -> dense
+            if not t.dtype.is_floating:
+                raise ValueError(f"op='adasum' combines floating gradients; got a {t.dtype.name} tensor")
+            # Per tensor: hvd.grouped_allreduce's Adasum branch reads an unbound variable (0.28.1).
+            reduced = hvd.allreduce(t, **kwargs)
+            out.append(reduced * tf.constant(num_replicas, reduced.dtype))
+        return out
 
 
 def broadcast(tensor, root_rank=0, name=None, scope="tfdist_broadcast"):

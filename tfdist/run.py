@@ -57,9 +57,14 @@ def _tool(name):
     return beside if os.access(beside, os.X_OK) else (shutil.which(name) or name)
 
 
-def build_command(launcher, command, np=None, hosts=None, extra=(), env=None):
-    """The argv that launches `command` on `np` ranks with `launcher` (horovodrun, mpirun, srun)."""
+def build_command(launcher, command, np=None, hosts=None, extra=(), env=None, as_root=None):
+    """The argv that launches `command` on `np` ranks with `launcher` (horovodrun, mpirun, srun).
+
+    `as_root` (default: whether this process runs as root) adds Open MPI's
+    `--allow-run-as-root`, which mpirun needs to start as root (containers).
+    """
     env = os.environ if env is None else env
+    as_root = os.geteuid() == 0 if as_root is None else as_root
     if not command:
         raise UsageError("no command to launch (e.g. tfdist-run -np 2 python train.py)")
     command = list(command)
@@ -79,12 +84,16 @@ def build_command(launcher, command, np=None, hosts=None, extra=(), env=None):
     elif launcher == "mpirun":
         if np is None:
             raise UsageError("-np is required with mpirun (or give -H host:slots,...)")
-        argv = [_tool("mpirun"), "-np", str(np)]
+        argv = [_tool("mpirun")] + (["--allow-run-as-root"] if as_root else []) + ["-np", str(np)]
         if hosts:
             argv += ["-H", ",".join(f"{h}:{s}" for h, s in host_slots)]
+        elif not any(env.get(v) for v in ALLOCATION_VARIABLES):
+            # As horovodrun: N slots on this host, however many cores it has (Open MPI counts cores).
+            argv += ["-H", f"localhost:{np}"]
+        # tfdist.startup pins each rank to its share of the node's cores; mpirun must not bind too.
         argv += ["-bind-to", "none", "-map-by", "slot"]
-        for name in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH"):
-            if name in env:
+        for name in sorted(env):
+            if name in MPI_FORWARD or (name.startswith(MPI_FORWARD_PREFIXES) and name not in MPI_NO_FORWARD):
                 argv += ["-x", name]
     elif launcher == "srun":
         argv = [_tool("srun")]
@@ -101,6 +110,14 @@ def build_command(launcher, command, np=None, hosts=None, extra=(), env=None):
     else:
         raise UsageError(f"--launcher {launcher!r}: expected one of {', '.join(LAUNCHERS)}")
     return argv + list(extra) + command
+
+
+# Resource managers whose allocation mpirun reads itself (then no -H localhost:N).
+ALLOCATION_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "PE_HOSTFILE")
+# Forwarded to every rank with -x (Open MPI copies the environment to local ranks only).
+MPI_FORWARD = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+MPI_FORWARD_PREFIXES = ("PYTHON", "TFDIST_", "HOROVOD_", "TF_", "KERAS_", "NCCL_")
+MPI_NO_FORWARD = ("TF_CONFIG",)  # a worker list for MWMS, meaningless to Horovod's ranks
 
 
 def srun_hostfile_lines(hosts, np=None):

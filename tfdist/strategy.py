@@ -24,7 +24,8 @@ import tempfile
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives, consistency, input_contract, keras_callbacks, keras_metrics, keras_predict
+from tfdist import _compat, collectives, consistency, gradient_exchange, input_contract, keras_callbacks
+from tfdist import keras_metrics, keras_predict
 from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
@@ -53,8 +54,16 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             gradients cast to float16 before and back after; halves the bytes sent), or a
             `horovod.tensorflow.Compression`.
         op: how gradients combine across ranks: "average" (Keras' loss scaling by
-            1/num_replicas_in_sync turns the sum into the average). "adasum" is refused with
-            the reason (it needs Horovod's MPI controller, and tfdist does not drive it yet).
+            1/num_replicas_in_sync turns the sum into the average), or "adasum" (Horovod's
+            Adasum of the ranks' unscaled gradients, per tensor; needs an MPI-built Horovod,
+            its MPI controller (`tfdist-run --launcher mpirun`) and 1, 2, 4, ... ranks, and is
+            refused naming the fix otherwise). Adasum replaces the Keras optimizers' gradient
+            sum only (`fit`, `optimizer.apply_gradients`); `strategy.reduce`,
+            `ReplicaContext.all_reduce` (synchronized BatchNormalization) and metrics stay
+            sums. Example, under
+            `tfdist-run --launcher mpirun -np 2 python train.py`:
+            `HorovodStrategy(op="adasum")`, with the single-rank learning rate (not scaled by
+            the rank count).
         check_variables: compare every new variable's shape and dtype across ranks before
             broadcasting it, and raise naming the first mismatch (costs one small collective
             per variable at creation).
@@ -107,9 +116,12 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             raise ValueError(f"batch_convention={batch_convention!r}: expected 'global' (the "
                              "tf.distribute contract) or 'per_rank' (Horovod's)")
         compression = collectives.compression(compression)
-        if op != "average":
-            raise ValueError(collectives.adasum_refusal() if op == "adasum" else
-                             f"op={op!r}: HorovodStrategy supports op='average'")
+        if op not in ("average", "adasum"):
+            raise ValueError(f"op={op!r}: HorovodStrategy supports op='average' or op='adasum'")
+        if op == "adasum":
+            if collectives.adasum_refusal():
+                raise ValueError(collectives.adasum_refusal())
+            gradient_exchange.install_adasum_marker()
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
@@ -118,7 +130,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         extended = HorovodExtended(
             self, device, compression=compression, check_variables=check_variables,
             check_datasets=check_consistency, global_batch=batch_convention == "global",
-            bucket_bytes=int(bucket_mb * (1 << 20)),
+            bucket_bytes=int(bucket_mb * (1 << 20)), adasum=op == "adasum",
         )
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
         tf.distribute.Strategy.__init__(self, extended)
@@ -173,8 +185,9 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
     """The strategy's implementation: OneDevice placement plus Horovod collectives."""
 
     def __init__(self, container_strategy, device, compression=None, check_variables=True,
-                 check_datasets=True, global_batch=True, bucket_bytes=0):
+                 check_datasets=True, global_batch=True, bucket_bytes=0, adasum=False):
         super().__init__(container_strategy, device)
+        self._adasum = adasum
         self._check_next_dataset = check_datasets and collectives.size() > 1
         self._compression = compression
         self._bucket_bytes = bucket_bytes
@@ -341,15 +354,9 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         if collectives.size() == 1:
             return values
         collectives.check_not_in_xla("HorovodStrategy's allreduce")
-        op = _REDUCE_OPS[reduce_op]
-        if not self._bucket_bytes:
-            return collectives.allreduce(values, op=op, compression=self._compression)
-        reduced = [None] * len(values)
-        for bucket in gradient_buckets(values, self._bucket_bytes):
-            for i, r in zip(bucket, collectives.allreduce([values[i] for i in bucket], op=op,
-                                                          compression=self._compression)):
-                reduced[i] = r
-        return reduced
+        return gradient_exchange.exchange(
+            values, _REDUCE_OPS[reduce_op], compression=self._compression, bucket_bytes=self._bucket_bytes,
+            adasum=self._adasum and gradient_exchange.is_gradient_sum(reduce_op, value_destination_pairs))
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         value = _compat.distribute_utils.select_replica(0, value)
@@ -417,22 +424,6 @@ def multi_rank_strategy_of(model):
     if isinstance(strategy, HorovodStrategy) and collectives.size() > 1:
         return strategy
     return None
-
-
-def gradient_buckets(values, bucket_bytes):
-    """Indices of `values` grouped into buckets of about `bucket_bytes`, last value first: Keras
-    lists gradients in layer order and backprop produces the last layers' first."""
-    buckets, current, filled = [], [], 0
-    for i in reversed(range(len(values))):
-        value = values[i]
-        dense = not isinstance(value, tf.IndexedSlices) and value.shape.is_fully_defined()
-        nbytes = value.shape.num_elements() * value.dtype.size if dense else bucket_bytes
-        if current and filled + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, filled = [], 0
-        current.append(i)
-        filled += nbytes
-    return buckets + [current] if current else buckets
 
 
 def _shapes_agree(tensors):
