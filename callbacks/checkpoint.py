@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.callbacks._keras import Callback
-from tfdist import _compat, collectives
+from tfdist import _compat, collectives, recovery
 from tfdist.errors import TfdistError
 
 log = logging.getLogger("tfdist")
@@ -326,6 +326,7 @@ class Checkpointer(Callback):
         path = write_checkpoint(self.directory, epoch, arrays,
                                 {"step": step, "ranks": self._rank_size[1], "variables": len(variables)})
         prune_checkpoints(self.directory, self.keep)
+        recovery.report_progress(epoch, path, step)  # for tfdist-run --max-restarts; no-op otherwise
         log.info("tfdist checkpoint: saved %s", path)
         return path
 

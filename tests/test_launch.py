@@ -114,7 +114,11 @@ def test_launcher_detection():
     srun_task = slurm_env(0, 2, "a", 0, 0)
     assert launch.detect_launcher(srun_task) == "slurm"
     assert launch.detect_launcher({**srun_task, "HOROVOD_RANK": "0"}) == "horovodrun"
-    assert launch.detect_launcher({**srun_task, "PMI_RANK": "0"}, mpi_built=True) == "mpi"
+    # srun --mpi=pmi2 sets PMI_RANK, but Open MPI cannot initialise from PMI-2: such tasks take Gloo
+    assert launch.detect_launcher({**srun_task, "PMI_RANK": "0"}, mpi_built=True) == "slurm"
+    assert launch.detect_launcher({**srun_task, "PMIX_RANK": "0"}, mpi_built=True) == "mpi"
+    assert launch.detect_launcher({**srun_task, "OMPI_COMM_WORLD_RANK": "0"}, mpi_built=True) == "mpi"
+    assert launch.detect_launcher({"PMI_RANK": "0", "PMI_SIZE": "2"}, mpi_built=True) == "mpi"  # mpiexec
     assert launch.detect_launcher({**srun_task, "PMI_RANK": "0"}, mpi_built=False) == "slurm"
     assert launch.detect_launcher({**srun_task, "TFDIST_LAUNCHER": "none"}) == "none"
     batch_script = {k: v for k, v in srun_task.items() if k != "SLURM_STEP_NUM_TASKS"}
@@ -357,7 +361,7 @@ def test_tfdist_run_builds_each_launchers_command(monkeypatch):
     assert run.build_command("horovodrun", ["python", "t.py", "--x"], np=2) == [hvd, "-np", "2", "--gloo", py, "t.py", "--x"]
     assert run.build_command("horovodrun", ["python3", "t.py"], hosts="a:2,b:2") == [
         hvd, "-np", "4", "--gloo", "-H", "a:2,b:2", py, "t.py"]
-    mpi = run.build_command("mpirun", ["python", "t.py"], np=4, hosts="a:2,b:2", env={"PATH": "/bin"})
+    mpi = run.build_command("mpirun", ["python", "t.py"], np=4, hosts="a:2,b:2", env={"PATH": "/bin"}, as_root=False)
     assert mpi[1:] == ["-np", "4", "-H", "a:2,b:2", "-bind-to", "none", "-map-by", "slot", "-x", "PATH", py, "t.py"]
     assert os.path.basename(mpi[0]) == "mpirun"
     srun = run.build_command("srun", ["python", "t.py"], np=8, hosts="n1:4,n2:4", extra=["--cpus-per-task=2"])
@@ -395,7 +399,7 @@ def tfdist_run(*args, timeout=JOB_TIMEOUT, env=None):
 def test_tfdist_run_dry_run_prints_the_command():
     code, out, _ = tfdist_run("--dry-run", "-np", 2, "python", "train.py", "--epochs", 3)
     assert code == 0
-    wrap = f"{sys.executable} -m tfdist.startup --"
+    wrap = f"{sys.executable} -m tfdist --"
     assert out.strip() == f"{BIN / 'horovodrun'} -np 2 --gloo {wrap} {sys.executable} train.py --epochs 3"
     code, out, _ = tfdist_run("--dry-run", "--launcher", "srun", "-np", 4, "python", "train.py")
     assert code == 0 and out.split()[1:] == ["--ntasks=4", "--kill-on-bad-exit=1", *wrap.split(), sys.executable, "train.py"]
@@ -465,7 +469,10 @@ def test_sbatch_template_parses_and_asks_for_what_it_says(name):
         assert "--gres" not in opts
     text = path.read_text()
     assert "stage_dataset(sys.argv[1], local_rank=0)" in text and '--ntasks-per-node=1' in text
-    assert re.search(r'^srun --kill-on-bad-exit=1 .*"\$\{run\[@\]\}"', text, re.M)
+    # training through tfdist-run (srun --kill-on-bad-exit=1, and --max-restarts from MAX_RESTARTS)
+    assert re.search(r'^"\$PY" -m tfdist.run --launcher srun -np "\$SLURM_NTASKS" --max-restarts "\$\{MAX_RESTARTS:-0\}"', text, re.M)
+    assert re.search(r'"\$\{run\[@\]\}" "\$\{args\[@\]\}" "\$@"$', text, re.M)
+    assert "--no-kill" in opts  # a lost node leaves the rest of the allocation for a relaunch
     assert 'run=("$PY" -m tfdist.benchmark.run)' in text and "PYTHONPATH" not in text  # an installed tfdist
 
 

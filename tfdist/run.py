@@ -8,7 +8,7 @@ tfdist-run -np 8 python train.py                            # inside a Slurm all
 tfdist-run --dry-run -np 2 python train.py                  # print the command, run nothing
 ```
 
-Every rank starts as `python -m tfdist.startup -- <command>`: its share of the node's cores, thread
+Every rank starts as `python -m tfdist -- <command>`: its share of the node's cores, thread
 counts and oneDNN are set per rank before the command's Python (and TensorFlow) starts
 (`tfdist.startup`; `--no-tuning` launches the command as it is).
 
@@ -145,6 +145,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="tfdist-run", description="Launch a tfdist training script on several ranks.",
         usage="tfdist-run [-np N] [-H host:slots,...] [--launcher auto|horovodrun|mpirun|srun] "
+              "[--max-restarts N [--min-np K] [--host-discovery-script PATH] [--global-batch B]] "
               "[--dry-run] command [args ...]")
     parser.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
     parser.add_argument("-H", "--hosts", help="host:slots,... (default: this host)")
@@ -153,8 +154,18 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("--no-tuning", action="store_true",
                         help="do not apply tfdist's per-rank settings before the command starts")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="relaunch a failed job up to N times; it resumes from its Checkpointer "
+                             "checkpoint (see docs/FAULTS.md, Recovery)")
+    parser.add_argument("--min-np", type=int, metavar="K",
+                        help="a relaunch may use fewer ranks, down to K, when hosts are gone")
+    parser.add_argument("--host-discovery-script", metavar="PATH",
+                        help="prints host:slots lines; run before every launch (instead of -H)")
+    parser.add_argument("--global-batch", type=int, metavar="B",
+                        help="with --min-np: relaunch only on rank counts that divide B")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    supervised = bool(args.max_restarts or args.min_np is not None or args.host_discovery_script)
     from tfdist import startup
 
     startup.undo()  # the ranks apply their own settings, not this launcher's
@@ -162,9 +173,11 @@ def main(argv=None):
     if command and command[0] in ("python", "python3"):
         command[0] = sys.executable
     if command and not args.no_tuning:
-        command = [sys.executable, "-m", "tfdist.startup", "--", *command]
+        command = [sys.executable, "-m", "tfdist", "--", *command]
     try:
         launcher = resolve_launcher(args.launcher)
+        if supervised:
+            return _supervise(args, launcher, command)
         argv_out = build_command(launcher, command, args.np, args.hosts,
                                  shlex.split(args.launcher_args))
         hostfile = None
@@ -193,6 +206,66 @@ def main(argv=None):
     print(f"tfdist-run: {launcher}: {shlex.join(argv_out)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(argv_out[0], argv_out)  # the launcher's exit status becomes ours
+
+
+def _supervise(args, launcher, command):
+    """tfdist-run as the launcher's parent: relaunch after failures (`tfdist.recovery`)."""
+    from tfdist import recovery
+
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+    if args.host_discovery_script and args.hosts:
+        raise UsageError("give either -H or --host-discovery-script, not both")
+    hosts = parse_hosts(args.hosts) if args.hosts else None
+    try:
+        if args.host_discovery_script:
+            hosts = recovery.run_discovery(args.host_discovery_script)
+        np_ = args.np or (sum(s for _, s in hosts) if hosts else None)
+        if np_ is None and launcher == "srun" and os.environ.get("SLURM_NTASKS", "").isdigit():
+            np_ = int(os.environ["SLURM_NTASKS"])
+        if np_ is None:
+            raise UsageError("--max-restarts/--min-np need -np N (or -H host:slots,...)")
+        if args.min_np is not None and not 1 <= args.min_np <= np_:
+            raise UsageError(f"--min-np {args.min_np}: expected 1 to -np {np_}")
+        slurm_slots = None
+        if (launcher == "srun" and not hosts and args.min_np is not None and args.min_np < np_):
+            from tfdist import launch
+
+            nodes = launch.node_names(os.environ.get("SLURM_JOB_NODELIST", "")) or ["?"]
+            slurm_slots = -(-np_ // len(nodes))
+        extra = shlex.split(args.launcher_args)
+        if launcher == "mpirun":  # mpirun passes only the environment it is told to
+            extra += [a for name in (recovery.RESTART_ENV, recovery.CAUSE_ENV, recovery.PROGRESS_ENV)
+                      for a in ("-x", name)]
+            if not horovod_has_mpi():
+                raise UsageError(f"--launcher mpirun: {NO_MPI}")
+
+        def make_argv(np_now, hosts_now):
+            spec = ",".join(f"{h}:{s}" for h, s in hosts_now) if hosts_now else None
+            argv_out = build_command(launcher, command, np_now, spec, extra)
+            if launcher == "srun" and "--distribution=arbitrary" in argv_out:
+                import tempfile
+
+                with tempfile.NamedTemporaryFile("w", prefix="tfdist-hosts-", suffix=".txt",
+                                                 delete=False) as f:
+                    f.write("\n".join(srun_hostfile_lines(spec, np_now)) + "\n")
+                os.environ["SLURM_HOSTFILE"] = f.name
+            if not os.path.isabs(argv_out[0]):
+                raise UsageError(f"{argv_out[0]} not found next to {sys.executable} or on the PATH")
+            return argv_out
+
+        if args.dry_run:
+            np_now, hosts_now = recovery.plan_ranks(np_, args.min_np or np_, hosts, args.global_batch)
+            print(shlex.join(make_argv(np_now, hosts_now)))
+            print(f"tfdist-run: supervised: up to {args.max_restarts} restart(s), "
+                  f"at least {args.min_np or np_} rank(s)", file=sys.stderr)
+            return 0
+        sys.stdout.flush()
+        return recovery.supervise(make_argv, np_, hosts, max_restarts=args.max_restarts,
+                                  min_np=args.min_np, discovery_script=args.host_discovery_script,
+                                  slurm_slots=slurm_slots, global_batch=args.global_batch)
+    except recovery.RecoveryError as e:
+        raise UsageError(str(e)) from e
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ oneDNN (`TF_ENABLE_ONEDNN_OPTS`), the thread pools (`TF_NUM_INTRAOP_THREADS`,
 `TF_NUM_INTEROP_THREADS`), OpenMP variables and core pinning only count if they are in place
 before `import tensorflow`; set later, they silently do nothing. Three routes put them in place:
 
-- `tfdist-run` starts every rank as `python -m tfdist.startup -- <command>`, which applies this
+- `tfdist-run` starts every rank as `python -m tfdist -- <command>`, which applies this
   rank's settings and then executes the command (same process, so Python starts already tuned);
 - `import tfdist` before `import tensorflow` applies them in the importing process;
 - `tfdist-benchmark` and `tfdist-tune` import tfdist first.
@@ -136,12 +136,12 @@ def _read_state():
 
 
 def main(argv=None):
-    """`python -m tfdist.startup -- command ...`: apply this rank's settings, then exec the command."""
+    """`python -m tfdist -- command ...`: apply this rank's settings, then exec the command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        print("usage: python -m tfdist.startup -- command [args ...]", file=sys.stderr)
+        print("usage: python -m tfdist -- command [args ...]", file=sys.stderr)
         return 2
     if apply_early("tfdist-run") is not None:
         record = state()
