@@ -1,7 +1,6 @@
 """Launch layer: Slurm environment parsing, the Gloo rendezvous, srun-style jobs (loopback and two
 network namespaces), tfdist-run, and the sbatch templates."""
 
-import contextlib
 import json
 import os
 import re
@@ -261,44 +260,8 @@ def test_srun_style_two_tasks_on_loopback(tmp_path, reference):
         assert ranks[r]["horovod_env"]["HOROVOD_GLOO_IFACE"] == "lo"
 
 
-class NetworkNamespaces:
-    """Two hosts on this machine: namespaces A and B joined by a veth pair, 10.77.0.1 and 10.77.0.2."""
-
-    def __init__(self):
-        tag = f"{os.getpid() % 100000}"
-        self.names = (f"tfdA{tag}", f"tfdB{tag}")
-        self.links = (f"tva{tag}", f"tvb{tag}")
-        self.addresses = ("10.77.0.1", "10.77.0.2")
-        self.created = []
-
-    def ip(self, *args):
-        result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-        if result.returncode != 0:
-            raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
-
-    def create(self):
-        for ns in self.names:
-            self.created.append(ns)
-            self.ip("netns", "add", ns)
-        self.ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
-        for ns, link, addr in zip(self.names, self.links, self.addresses):
-            # `ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts: inside each namespace
-            # this machine's name resolves to that namespace's address, as a node's name does.
-            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-            with open(f"/etc/netns/{ns}/hosts", "w") as f:
-                f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
-            self.ip("link", "set", link, "netns", ns)
-            self.ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
-            self.ip("-n", ns, "link", "set", "lo", "up")
-            self.ip("-n", ns, "link", "set", link, "up")
-
-    def remove(self):
-        for ns in self.created:  # deleting a namespace deletes its end of the veth pair, and the pair
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir("/etc/netns")  # only if no other namespace has files there
-        self.created = []
+sys.path.insert(0, str(ROOT / "scripts"))
+from emulate_hosts import NetworkNamespaces  # noqa: E402  (one implementation, shared with the benchmarks)
 
 
 @pytest.fixture

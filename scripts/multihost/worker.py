@@ -1,0 +1,113 @@
+"""One rank of an emulated multi-host benchmark run: train N steps in one mode, write step times.
+
+    # started by scripts/multihost_benchmark.py in each host namespace, with an srun step's SLURM_*
+    # variables (tfdist, horovod) or TF_CONFIG (mwms):
+    python scripts/multihost/worker.py --mode tfdist --bucket_mb 25 --model resnet50 --batch_size 8 \\
+        --steps 5 --out /tmp/run1
+
+Modes, all on tf-keras and the same model:
+  tfdist   HorovodStrategy(bucket_mb=...) + model.fit (bucket_mb 0: one collective per dtype)
+  horovod  Horovod's documented loop: hvd.DistributedGradientTape + hvd.broadcast_variables, after
+           tfdist.launch.prepare() turned the SLURM_* variables into Horovod's Gloo environment
+  mwms     tf.distribute.MultiWorkerMirroredStrategy + model.fit, workers from TF_CONFIG
+  none     one process, plain model.fit (the 1-rank baseline)
+Writes `rank<R>.json` in --out: every step time (warm-up included, and marked), gradient bytes,
+the threads and cpus TensorFlow reports, and how the rank was launched.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mlp:wide_mlp
+
+PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+PARSER.add_argument("--mode", required=True, choices=["tfdist", "horovod", "mwms", "none"])
+PARSER.add_argument("--bucket_mb", type=float, default=0)
+PARSER.add_argument("--model", default="resnet50", help="a tfdist-benchmark model, or mlp:wide_mlp")
+PARSER.add_argument("--batch_size", type=int, default=8, help="per rank")
+PARSER.add_argument("--image_size", type=int, default=224)
+PARSER.add_argument("--num_classes", type=int, default=1000)
+PARSER.add_argument("--warmup", type=int, default=2)
+PARSER.add_argument("--steps", type=int, default=5)
+PARSER.add_argument("--out", required=True)
+
+
+def benchmark_args(args):
+    """The fields tfdist.benchmark.run's loops read."""
+    return argparse.Namespace(model=args.model, batch_size=args.batch_size, image_size=args.image_size,
+                              num_classes=args.num_classes, num_warmup_batches=args.warmup,
+                              num_batches=args.steps, data_dir=None, eval_dir=None, epochs=None,
+                              learning_rate=0.01, xla=False, profile_dir=None)
+
+
+def main():
+    args = PARSER.parse_args()
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import tfdist  # noqa: F401  (early settings: the parent set threads; taskset set the core)
+    import tensorflow as tf
+
+    from tfdist import tuning
+    from tfdist.benchmark import run as bench
+    from tfdist.keras_flavour import keras_module
+
+    keras, bargs = keras_module(), benchmark_args(args)
+    launched, strategy = "one process", None
+    if args.mode == "tfdist":
+        strategy = tfdist.HorovodStrategy(bucket_mb=args.bucket_mb)
+        launched = (f"HorovodStrategy(bucket_mb={args.bucket_mb:g}), rank {strategy.rank} of {strategy.size} on "
+                    f"{os.environ.get('HOROVOD_HOSTNAME')}, interface {os.environ.get('HOROVOD_GLOO_IFACE')}, "
+                    f"rendezvous {os.environ.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}")
+    elif args.mode == "horovod":
+        import horovod.tensorflow as hvd
+
+        from tfdist import launch
+
+        launched = launch.prepare(mpi_built=hvd.mpi_built()).describe()
+        hvd.init()
+    elif args.mode == "mwms":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        launched = f"MultiWorkerMirroredStrategy, TF_CONFIG {os.environ.get('TF_CONFIG')}"
+    rank = rank_of(args.mode, strategy)
+    start = time.time()
+    if args.mode == "horovod":
+        timer, _, _ = bench.run_horovod_loop(bargs, keras)
+    else:
+        timer, _, _ = bench.run_keras_fit(bargs, keras, strategy, rank)
+    effect = tuning.in_effect()
+    result = {"mode": args.mode, "bucket_mb": args.bucket_mb, "rank": rank, "argv": sys.argv,
+              "launched": launched, "step_seconds": timer.times, "warmup_steps_excluded": args.warmup,
+              "gradient_bytes": gradient_bytes(keras, args) if args.mode == "none" else None, "started": start,
+              "in_effect": {**effect, "cpus": list(effect["cpus"])},
+              "affinity": sorted(os.sched_getaffinity(0)), "tf": tf.__version__,
+              "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME", "Horovod's default (1)")}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    timed = timer.times[args.warmup:]
+    print(f"rank {rank} {args.mode}: median step {sorted(timed)[len(timed) // 2] * 1e3:.1f} ms", flush=True)
+
+
+def rank_of(mode, strategy):
+    if mode == "tfdist":
+        return strategy.rank
+    if mode == "horovod":
+        import horovod.tensorflow as hvd
+
+        return hvd.rank()
+    if mode == "mwms":
+        return strategy.cluster_resolver.task_id or 0
+    return 0
+
+
+def gradient_bytes(keras, args):
+    from tfdist.benchmark.models import build_model
+
+    model = build_model(keras, args.model, args.image_size, args.num_classes)
+    return int(sum(v.shape.num_elements() * v.dtype.size for v in model.trainable_variables))
+
+
+if __name__ == "__main__":
+    main()
