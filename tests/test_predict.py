@@ -52,3 +52,19 @@ def test_command_prints_the_table_and_writes_a_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| buckets of 25 MB | 64 |" in out and "| one collective | 64 |" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibration_reproduces_the_measured_one_collective_step(capsys):
+    rank = predict.Rank(compute_s=2.9658, gradient_bytes=102.3e6)
+    gbit = predict.effective_bandwidth(rank, predict.Link(1.0, 30), 4.3159, 2)
+    # 2 ranks: 2 hops, each rank sends and receives the whole gradient once: 102.3 MB in 1.35 s
+    assert gbit == pytest.approx(102.3e6 * 8 / (4.3159 - 2.9658 - 2 * 30e-6) / 1e9)
+    assert predict.step_time(rank, predict.Link(gbit, 30), 2)[0] == pytest.approx(4.3159)
+    with pytest.raises(ValueError, match="leaves no time for communication"):
+        predict.effective_bandwidth(rank, predict.Link(1.0, 30), 2.9, 2)
+    assert predict.main(["--compute_ms", "2965.8", "--gradient_mb", "102.3", "--calibrate_one_collective_ms",
+                         "4315.9", "--latency_us", "30", "--ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated: 0.606 Gbit/s effective" in out and "| one collective | 2 | 4315.9 |" in out
+    with pytest.raises(SystemExit):
+        predict.main(["--compute_ms", "100", "--gradient_mb", "10"])  # neither a rate nor a calibration
