@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.callbacks._keras import Callback
-from tfdist import _compat, collectives, recovery
+from tfdist import _compat, collectives, rank_variables, recovery
 from tfdist.errors import TfdistError
 
 log = logging.getLogger("tfdist")
@@ -320,7 +320,8 @@ class Checkpointer(Callback):
     def save(self, epoch):
         """Write checkpoint `ckpt-<epoch>` (`epoch` epochs finished) now, then prune; chief only."""
         variables = training_variables(self.model)
-        arrays = {f"v{i:05d}": np.asarray(v) for i, v in enumerate(variables)}
+        with rank_variables.local_reads():  # chief only: no collective (on-read state: its own value)
+            arrays = {f"v{i:05d}": np.asarray(v) for i, v in enumerate(variables)}
         optimizer = getattr(self.model, "optimizer", None)
         step = int(np.asarray(optimizer.iterations)) if optimizer is not None else None
         path = write_checkpoint(self.directory, epoch, arrays,

@@ -14,6 +14,7 @@ from tfdist.errors import (
     KerasHookError,
     NonFiniteLossError,
     RankMismatchError,
+    SaveSyncError,
     TfdistError,
     WatchdogError,
     XlaNotSupportedError,
@@ -33,7 +34,7 @@ if "tensorflow" not in _sys.modules:
 # Submodules reachable as attributes (`tfdist.precision`, `tfdist.pipelines`, ...), imported on
 # first use: most import TensorFlow (seconds), which `tfdist-run` and the error classes must not wait for.
 _SUBMODULES = frozenset({
-    "benchmark", "callbacks", "collectives", "consistency", "input_contract", "keras_flavour", "launch",
+    "benchmark", "callbacks", "chief_saves", "collectives", "consistency", "input_contract", "keras_flavour", "launch",
     "pipelines", "precision", "profile_summary", "rendezvous", "run", "startup", "strategy", "tune", "tuning",
     "tuning_cache",
     "watchdog",
@@ -61,6 +62,7 @@ __all__ = [
     "LaunchError",
     "NonFiniteLossError",
     "RankMismatchError",
+    "SaveSyncError",
     "TfdistError",
     "WatchdogError",
     "XlaNotSupportedError",

@@ -9,7 +9,10 @@ Other tfdist modules reach these internals only through the names below:
 - TensorFlow (lazy, so that `tfdist-run` never imports TensorFlow): the `tensorflow.python`
   modules `distribute_utils`, `one_device_strategy` and `input_util`, which `HorovodStrategy` is
   built from, and `global_batch_size`; `in_xla_context`, `global_seed`, `compute_batch_size`,
-  `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`.
+  `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`; the
+  saving functions `tfdist.chief_saves` wraps (`tf_saved_model_modules`, `tf_checkpoint_classes`)
+  and a `CheckpointManager`'s private settings (`checkpoint_manager_settings`,
+  `set_manager_latest_checkpoint`).
   (`HorovodExtended` also overrides `StrategyExtended`'s private methods, `_create_variable`,
   `_experimental_distribute_dataset`, `_call_for_each_replica`, `_reduce_to`, ...: that is how a
   `tf.distribute.Strategy` is implemented, and they cannot live anywhere but in its class. Likewise
@@ -22,6 +25,7 @@ Other tfdist modules reach these internals only through the names below:
 """
 
 import importlib
+import os
 import sys
 
 from tfdist.errors import KerasHookError
@@ -98,7 +102,7 @@ TF_KERAS_SUPPORTED_STRATEGIES = "_supported_strategies"  # tf-keras BackupAndRes
 
 
 def keras_version(flavour="keras3"):
-    name = "tf_keras" if flavour == "tf_keras" else "keras"
+    name = {"tf_keras": "tf_keras", "tensorflow": "tensorflow"}.get(flavour, "keras")
     try:
         return f"{name} {importlib.import_module(name).__version__}"
     except (ImportError, AttributeError):
@@ -143,6 +147,11 @@ def keras3_tf_optimizer_class(hook):
 
 def tf_keras_model_class(hook):
     return _import("tf_keras", hook, "tf_keras").Model
+
+
+def keras3_model_class(hook):
+    """The public `keras.Model` (Keras 3), whose `save` and `save_weights` tfdist wraps."""
+    return _import("keras", hook, "keras3").Model
 
 
 def keras3_loss_scale_optimizer(hook):
@@ -277,3 +286,44 @@ def keras3_batch_normalization(hook):
     if missing:
         raise hook_error(hook, f"{cls.__name__}() takes no {', '.join(missing)} argument")
     return cls
+
+
+# --- TensorFlow: saving (tfdist.chief_saves) ------------------------------------------------------
+
+def tf_saved_model_modules(hook):
+    """The TensorFlow API modules through which callers reach `tf.saved_model.save` (Keras 3's
+    `model.export` and tf-keras look it up on `tf.saved_model` or `tf.compat.v2.saved_model`)."""
+    tf = _import("tensorflow", hook, "tensorflow")
+    save = getattr(tf.saved_model, "save", None)
+    if not callable(save):
+        raise hook_error(hook, "tf.saved_model has no save()", "tensorflow")
+    save = getattr(save, "tfdist_original", save)
+    candidates = [tf.saved_model, tf.compat.v2.saved_model, tf.compat.v1.saved_model,
+                  getattr(tf.compat.v1.saved_model, "experimental", None)]
+    found = []
+    for module in candidates:
+        exported = getattr(module, "save", None)
+        if getattr(exported, "tfdist_original", exported) is save and all(module is not m for m in found):
+            found.append(module)
+    return found
+
+
+def tf_checkpoint_classes(hook):
+    """(`tf.train.Checkpoint`, `tf.train.CheckpointManager`); the manager writes through the
+    checkpoint's private `_write`, so it is wrapped itself."""
+    tf = _import("tensorflow", hook, "tensorflow")
+    return tf.train.Checkpoint, tf.train.CheckpointManager
+
+
+def checkpoint_manager_settings(manager):
+    """What a `tf.train.CheckpointManager` numbers and names its checkpoints by, as constructor
+    arguments (for a second manager in another directory that saves the same checkpoints)."""
+    return {"checkpoint_name": os.path.basename(manager._checkpoint_prefix),
+            "step_counter": getattr(manager, "_step_counter", None),
+            "checkpoint_interval": manager.checkpoint_interval,
+            "last_checkpoint_step": getattr(manager, "_last_checkpoint_step", None)}
+
+
+def set_manager_latest_checkpoint(manager, path):
+    """Make `manager.latest_checkpoint` report `path` (a checkpoint another rank wrote there)."""
+    manager._latest_checkpoint = path

@@ -32,3 +32,8 @@ class NonFiniteLossError(TfdistError):
     """The training loss became NaN or infinite (raised by `callbacks.StopOnNonFiniteLoss`)."""
 
     raised_on_every_rank = True  # at the same step on every rank (the logged loss is global)
+
+
+class SaveSyncError(TfdistError):
+    """A rank's save could not be matched with the chief's (`tfdist.chief_saves`): the chief made
+    no such save within `TFDIST_SAVE_TIMEOUT`, left the job first, or its matching save failed."""

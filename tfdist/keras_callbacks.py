@@ -105,8 +105,11 @@ def _before(method, redirect, model_arg=False):
 def _chief_only(method):
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
+        from tfdist.chief_saves import chief_only_saves  # (chief_saves imports this module)
+
         if non_chief_rank(self.model) is not None:
             return None
-        return method(self, *args, **kwargs)
+        with chief_only_saves():  # the others make no such save: it must not shift their numbering
+            return method(self, *args, **kwargs)
 
     return wrapped

@@ -62,6 +62,17 @@ _COLLECTIVE_ERROR_WORDS = ("horovod", "gloo", "connection reset", "timed out wai
 
 _active = None
 _exit_request = None  # (status,) once sys.exit(status) was called
+_handlers = {}  # message kind -> handler(message) of another module (save_notices), on this thread
+
+
+def running():
+    """This process's watchdog, or None; other modules send over its connections (`send_all`)."""
+    return _active
+
+
+def on_message(kind, handler):
+    """Call `handler(message)` on the watchdog thread for every message `{"t": kind, ...}`."""
+    _handlers[kind] = handler
 
 
 def start(timeout=None):
@@ -256,6 +267,8 @@ class _Watchdog:
             elif kind == "dead":  # rank 0's verdict on another rank, or on itself
                 self.settled.add(0)
                 self._verdict_on(message, lambda text=message["text"]: self._exit(text))
+            elif kind in _handlers:
+                _handlers[kind](message)
 
     def _verdict_on(self, message, action):
         """Act on a peer's failure now, or, for an error every rank raises, once this rank had
@@ -282,9 +295,13 @@ class _Watchdog:
         self._exit(_verdict(f"{peer.describe()} {what}", f"rank {self.rank} (host {self.host})"))
 
     def _tell_others(self, text, skip=None, every_rank=False):
-        others = [p for p in self.peers.values() if p is not skip]
+        return self.send_all({"t": "dead", "text": text, "every_rank": every_rank}, skip)
+
+    def send_all(self, message, skip=None):
+        """Send `message` to every connected rank but `skip` (rank 0: all others; others: rank 0)."""
+        others = [p for p in list(self.peers.values()) if p is not skip]
         for other in others:
-            other.send({"t": "dead", "text": text, "every_rank": every_rank})
+            other.send(message)
         return others
 
     def _exit(self, text):
@@ -307,8 +324,7 @@ class _Watchdog:
         if self.failing or self.stopped:
             return
         self.stopped = True
-        for peer in list(self.peers.values()):
-            peer.send({"t": "bye"})
+        self.send_all({"t": "bye"})
 
     def report_own_failure(self, summary, every_rank=False, echo=False, claimed=False):
         """Tell the other ranks why this rank is leaving (after its traceback is printed).
