@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.callbacks._keras import Callback
-from tfdist import collectives
+from tfdist import collectives, rank_variables
 from tfdist.errors import NonFiniteLossError
 
 log = logging.getLogger("tfdist")
@@ -96,7 +96,8 @@ class StopOnNonFiniteLoss(Callback):
         tracker = next((m for m in self.model.metrics if m.name == "loss"), None)
         local = float("nan")
         if tracker is not None and tracker.variables:
-            total, count = (float(np.asarray(v.numpy())) for v in tracker.variables[:2])
+            with rank_variables.local_reads():  # this rank's own running sums, not the global ones
+                total, count = (float(np.asarray(v.numpy())) for v in tracker.variables[:2])
             local = total / count if count else total
         if collectives.process_size() == 1:
             values = [local]

@@ -8,7 +8,8 @@ Other tfdist modules reach these internals only through the names below:
 
 - TensorFlow (lazy, so that `tfdist-run` never imports TensorFlow): the `tensorflow.python`
   modules `distribute_utils`, `one_device_strategy` and `input_util`, which `HorovodStrategy` is
-  built from, and `global_batch_size`; `in_xla_context`, `global_seed`, `compute_batch_size`,
+  built from, `distributed_values`, `distributed_values_util` and `saveable_object`, which
+  `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `global_seed`, `compute_batch_size`,
   `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`; the
   saving functions `tfdist.chief_saves` wraps (`tf_saved_model_modules`, `tf_checkpoint_classes`)
   and a `CheckpointManager`'s private settings (`checkpoint_manager_settings`,
@@ -37,8 +38,12 @@ CHECKED_AGAINST = "TensorFlow 2.21.0, Keras 3.15.1, tf-keras 2.21.0, Horovod 0.2
 
 _TF_MODULES = {
     "distribute_utils": "tensorflow.python.distribute.distribute_utils",
+    "distribute_lib": "tensorflow.python.distribute.distribute_lib",
     "one_device_strategy": "tensorflow.python.distribute.one_device_strategy",
     "input_util": "tensorflow.python.distribute.input_util",
+    "distributed_values": "tensorflow.python.distribute.values",
+    "distributed_values_util": "tensorflow.python.distribute.values_util",
+    "saveable_object": "tensorflow.python.training.saving.saveable_object",
 }
 
 

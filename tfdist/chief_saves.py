@@ -174,7 +174,6 @@ def _hooked(original, what, param, classify):
         try:
             with rank_variables.local_reads():
                 call = _Call(original, what, param, bound, *classify(bound.arguments))
-                call.create_save_counter()
                 if not isinstance(call.path, (str, os.PathLike)):
                     return call.run()  # e.g. an open h5py.File: nothing to coordinate
                 if getattr(_calls, "chief_only", 0):
@@ -231,15 +230,6 @@ class _Call:
             if os.path.exists(temp):
                 os.remove(temp)
         return result
-
-    def create_save_counter(self):
-        """Create a checkpoint's save counter (made on its first save) before any rank waits.
-
-        A variable created in `strategy.scope()` starts from rank 0's value (a collective), so
-        every rank must create it at the same point: here, before the other ranks wait."""
-        if self.what == "checkpoint.save" or self.kind == "manager":
-            owner = self.bound.arguments["self"]
-            (owner.checkpoint if self.kind == "manager" else owner).save_counter  # noqa: B018 - creates it
 
     def finish_async_writes(self):
         """Wait for a checkpoint written in the background (CheckpointOptions(async)) to be on disk."""

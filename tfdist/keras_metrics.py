@@ -16,7 +16,7 @@ import threading
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives
+from tfdist import _compat, collectives, rank_variables
 
 HOOK = "global metrics"
 SCOPE = "tfdist_metric_sync"  # the metric-state collectives' name in the profiler's trace viewer
@@ -83,7 +83,8 @@ def _aggregation_name(variable):
 
 def global_values(variables):
     """Each metric state variable's value combined across ranks, by its aggregation."""
-    values = [tf.convert_to_tensor(v) for v in variables]
+    with rank_variables.local_reads():  # each rank's own state; the sums below combine them
+        values = [tf.convert_to_tensor(v) for v in variables]
     kinds = [_aggregation_name(v) for v in variables]
     for kind, op in (("sum", "sum"), ("mean", "average")):
         picked = [i for i, k in enumerate(kinds) if k == kind]
@@ -110,17 +111,33 @@ def _keras3_global_result(model, local_result):
     results = {}
     for metric in metrics:
         state = [next(values) for _ in metric.variables]
-        _collect(results, metric, metric.stateless_result(state) if state else metric.result())
+        _collect(results, metric, _result_of_state(metric, state) if state else metric.result())
     return results
 
 
+def _result_of_state(metric, state):
+    """`metric.result()` computed from `state`, read while `state` stands in for the variables.
+
+    Keras' `stateless_result` returns whatever `result()` returns; a metric written as Keras'
+    guide shows (`return self.true_positives`) returns the variable itself, which read later
+    would give this rank's own count. Tensors are made inside the scope instead.
+    """
+    import keras
+
+    with keras.StatelessScope(state_mapping=list(zip(metric.variables, state))):
+        return tf.nest.map_structure(tf.convert_to_tensor, metric.result())
+
+
 def _tf_keras_global_result(model, local_result):
-    # tf-keras metrics have no stateless result(): swap the global state in, read, swap back.
-    variables = [v for m in model.metrics for v in m.variables]
+    # tf-keras metrics have no stateless result(): swap the global state into each rank's own
+    # variables (not through the sync-on-read wrapper, whose cross-replica assign would spread a
+    # SUM over the ranks), read, swap back.
+    variables = [rank_variables.own(v) for m in model.metrics for v in m.variables]
     local_values = [tf.identity(v.read_value()) for v in variables]
     for variable, value in zip(variables, global_values(variables)):
         variable.assign(value)
-    results = local_result(model)
+    with rank_variables.local_reads():  # read the swapped-in values as they are
+        results = tf.nest.map_structure(tf.identity, local_result(model))
     with tf.control_dependencies(tf.nest.flatten(results)):
         for variable, value in zip(variables, local_values):
             variable.assign(value)

@@ -24,11 +24,12 @@ import tempfile
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives, consistency, gradient_exchange, input_contract, keras_callbacks
-from tfdist import keras_metrics, keras_predict
+from tfdist import _compat, chief_saves, collectives, consistency, gradient_exchange, input_contract, keras_callbacks
+from tfdist import keras_metrics, keras_predict, rank_variables
 from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
+from tfdist.cluster_resolver import HorovodClusterResolver
 from tfdist.errors import RankMismatchError
 from tfdist.keras_flavour import legacy_requested
 
@@ -139,6 +140,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         keras_metrics.install()
         keras_predict.install()
         keras_callbacks.install()
+        chief_saves.install()
         if fused_batchnorm and not legacy_requested():
             from tfdist import keras_fused_batchnorm
 
@@ -189,6 +191,8 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
     def __init__(self, container_strategy, device, compression=None, check_variables=True,
                  check_datasets=True, global_batch=True, bucket_bytes=0, adasum=False):
         super().__init__(container_strategy, device)
+        # What Strategy.cluster_resolver returns: every rank a "worker", task_id = rank.
+        self._cluster_resolver = HorovodClusterResolver.for_this_job()
         self._adasum = adasum
         self._check_next_dataset = check_datasets and collectives.size() > 1
         self._compression = compression
@@ -207,8 +211,16 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         # part of the initial value (as MWMS does it), so a variable created inside a traced
         # strategy.run (lazily built layers, optimizer slots) is initialised the same way when
         # tf.function lifts its initialiser.
-        if collectives.size() > 1 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ:
+        # A variable a save creates (a checkpoint's save_counter) is the saving rank's own: the
+        # chief may save alone, so no collective there.
+        if (collectives.size() > 1 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ
+                and not chief_saves.in_save()):
             kwargs["initial_value"] = self._broadcast_initial_value(kwargs)
+        if rank_variables.is_distributed_kind(kwargs.get("synchronization"), kwargs.get("aggregation")):
+            # Sync-on-read (metrics) and SUM/MEAN mirrored variables: MWMS's semantics, one component.
+            return rank_variables.create(self._container_strategy(),
+                                         lambda **kw: super(HorovodExtended, self)._create_variable(next_creator, **kw),
+                                         **kwargs)
         return super()._create_variable(next_creator, **kwargs)
 
     def _broadcast_initial_value(self, kwargs):
@@ -331,6 +343,8 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
     def _reduce_to(self, reduce_op, value, destinations, options):
         flat = tf.nest.flatten(value, expand_composites=False)
         if not any(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+            # Python numbers too (`v.assign_add(1.0)` on a SUM variable inside strategy.run).
+            flat = [v if isinstance(v, tf.IndexedSlices) else tf.convert_to_tensor(v) for v in flat]
             reduced = self._batch_reduce_to(reduce_op, [(v, destinations) for v in flat], options)
             return tf.nest.pack_sequence_as(value, reduced)
         # Only input iterators produce PerReplica values here (run() returns plain tensors).
@@ -372,10 +386,38 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         return collectives.allgather(value)
 
     def _local_results(self, value):
+        if isinstance(value, tf.distribute.DistributedValues):  # incl. distributed variables
+            return tuple(value.values)
         return (_compat.distribute_utils.select_replica(0, value),)
 
+    def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
+        # As MirroredStrategy: the update context names the local replica (0), which distributed
+        # variables index their components by (OneDeviceStrategy puts a device string there).
+        del colocate_with
+        with tf.device(self._device), _compat.distribute_lib.UpdateContext(0):
+            result = fn(*args, **kwargs)
+            return result if group else tf.nest.map_structure(self._local_results, result)
+
     def read_var(self, replica_local_var):
+        if _compat.distribute_utils.is_sync_on_read(replica_local_var):
+            return replica_local_var._get_cross_replica()
+        if _compat.distribute_utils.is_mirrored(replica_local_var):
+            return tf.identity(replica_local_var._get())
         return tf.identity(replica_local_var)
+
+    def value_container(self, value):
+        return _compat.distribute_utils.value_container(value)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        # One replica per rank, numbered globally, as MWMS numbers them.
+        context = tf.distribute.experimental.ValueContext(collectives.rank(), collectives.size())
+        return _compat.distribute_utils.regroup([value_fn(context)], always_wrap=True)
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group - collectives.rank()
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return replica_id + collectives.rank()
 
     def _in_multi_worker_mode(self):
         return collectives.size() > 1

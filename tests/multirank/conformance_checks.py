@@ -41,9 +41,11 @@ quiet_tensorflow()
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from client_code import GLOBAL, build_model, dense, initial_values, local, make_data, seed_for, weights_of  # noqa: E402
+from tutorial_flows import TUTORIAL_SCENARIOS  # noqa: E402
+
 keras = keras_module()
 
-GLOBAL = 16
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
 POLICIES = ("AUTO", "FILE", "DATA", "OFF")
 
@@ -78,46 +80,6 @@ def make_strategy(kind, horovod_options=None):
     if kind == "mwms":
         return tf.distribute.MultiWorkerMirroredStrategy()
     return tf.distribute.get_strategy()
-
-
-# --- shared client-code helpers ------------------------------------------------------------
-def make_data(n, seed=7, features=4, classes=3):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, features)).astype("float32")
-    y = rng.integers(0, classes, size=n).astype("int32")
-    return x, y
-
-
-def initial_values(seed, shapes):
-    """Starting weights from numpy, so they do not depend on the Keras flavour's random streams."""
-    rng = np.random.default_rng(seed)
-    return [rng.uniform(-0.6, 0.6, size=shape).astype("float32").tolist() for shape in shapes]
-
-
-def dense(units, seed, inputs, **kwargs):
-    kernel, bias = initial_values(seed, [(inputs, units), (units,)])
-    return keras.layers.Dense(units, kernel_initializer=keras.initializers.Constant(kernel),
-                              bias_initializer=keras.initializers.Constant(bias), **kwargs)
-
-
-def build_model(seed, model_class=None):
-    return (model_class or keras.Sequential)(
-        [keras.Input((4,)), dense(8, seed, 4, activation="tanh"), dense(3, seed + 1, 8)])
-
-
-def weights_of(model):
-    return [w.tolist() for w in model.get_weights()]
-
-
-def local(strategy, value):
-    """This worker's part of a distributed value (its local replica), as numpy."""
-    return [np.asarray(v).tolist() for v in strategy.experimental_local_results(value)]
-
-
-def seed_for(run, base):
-    # Every worker creates its variables with different initial values; the strategy must make
-    # them start from the chief's (worker 0's), which are the single process's.
-    return base + 1000 * run.worker
 
 
 # --- 1. custom training loop (the TF tutorial flow) -----------------------------------------
@@ -582,6 +544,7 @@ SCENARIOS = {
     "callbacks": callbacks_fit,
     "lazy_variables": lazy_variables,
     "variables": variable_semantics,
+    **TUTORIAL_SCENARIOS,
 }
 SINGLE_SKIPS = ("collectives", "input", "variables")  # one replica: nothing to compare with; MWMS is the reference
 

@@ -1,0 +1,130 @@
+"""Variables that aggregate across ranks, as MultiWorkerMirroredStrategy's do.
+
+`HorovodStrategy` creates most variables as plain variables that start from rank 0's value and
+stay identical because every rank applies the same all-reduced updates. Two kinds of variable
+need more, and get TensorFlow's own distributed variable classes with one component (this rank's):
+
+- `synchronization=ON_READ` (Keras metrics, tf-keras BatchNormalization's moving statistics):
+  each rank updates its own copy; a read in cross-replica context (outside `strategy.run`, e.g.
+  `metric.result()` in a custom loop) returns the aggregate over ranks by the variable's
+  aggregation (SUM, MEAN, ONLY_FIRST_REPLICA), one Horovod collective, so every rank must read.
+- `aggregation=SUM` or `MEAN` with `synchronization=ON_WRITE/AUTO`: an update made inside
+  `strategy.run` (`v.assign_add(x)`) is all-reduced first, so the variable stays identical on every
+  rank, as a mirrored variable does.
+
+Saving never needs a collective: inside `local_reads()` (which tfdist's save hooks enter) an
+on-read variable reads this rank's own value, so the chief can save alone.
+"""
+
+import contextlib
+import threading
+
+_state = threading.local()
+
+
+def reading_locally():
+    """Whether on-read variables read this rank's own value now (inside `local_reads()`)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def local_reads():
+    """Within this block, cross-replica reads of on-read variables return the rank's own value."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def own(variable):
+    """This rank's own `tf.Variable` behind `variable` (itself when it is not distributed)."""
+    values = getattr(variable, "values", None)
+    if isinstance(values, tuple) and len(values) == 1 and hasattr(variable, "_primary"):
+        return values[0]
+    return variable
+
+
+def is_distributed_kind(synchronization, aggregation):
+    """Whether a variable created with these arguments needs a distributed variable (see module)."""
+    import tensorflow as tf
+
+    if synchronization == tf.VariableSynchronization.ON_READ:
+        return True
+    return (synchronization in (tf.VariableSynchronization.AUTO, tf.VariableSynchronization.ON_WRITE, None)
+            and aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN))
+
+
+def create(strategy, create_component, **kwargs):
+    """A one-component `SyncOnReadVariable` (ON_READ) or `MirroredVariable` (aggregated ON_WRITE).
+
+    `create_component(**kwargs)` makes the rank's own variable, as the strategy places it.
+    """
+    import tensorflow as tf
+
+    from tfdist import _compat
+
+    classes = {
+        tf.VariableSynchronization.ON_WRITE: _compat.distributed_values.MirroredVariable,
+        tf.VariableSynchronization.ON_READ: _sync_on_read_class(),
+    }
+    return _compat.distribute_utils.create_mirrored_variable(
+        strategy, lambda **kw: [create_component(**kw)], classes, {}, **kwargs)
+
+
+_classes = {}
+
+
+def _sync_on_read_class():
+    if "sync_on_read" not in _classes:
+        _classes["sync_on_read"] = _define_sync_on_read_class()
+    return _classes["sync_on_read"]
+
+
+def _define_sync_on_read_class():
+    import tensorflow as tf
+
+    from tfdist import _compat, collectives
+
+    values = _compat.distributed_values
+    values_util = _compat.distributed_values_util
+    saveable_object = _compat.saveable_object
+    ops = {tf.VariableAggregation.SUM: "sum", tf.VariableAggregation.MEAN: "average"}
+
+    class RankValueSaveable(saveable_object.SaveableObject):
+        """Saves this rank's own value (no collective: the chief may save alone); restores as
+        TensorFlow restores a sync-on-read variable (a SUM is spread over the replicas)."""
+
+        def __init__(self, variable, name):
+            self._variable = variable
+            primary = variable._primary
+            spec = saveable_object.SaveSpec(tensor=primary.read_value, slice_spec="", name=name,
+                                            dtype=variable.dtype, device=primary.device)
+            super().__init__(primary.read_value, [spec], name)
+
+        def restore(self, restored_tensors, restored_shapes):
+            tensor, = restored_tensors
+            return values_util.get_on_read_restore_ops(self._variable, tensor, self._variable.aggregation)
+
+    class RankSyncOnReadVariable(values.SyncOnReadVariable):
+        """A sync-on-read variable whose cross-replica reads combine every rank's value (Horovod)."""
+
+        def _get_cross_replica(self):
+            if self._aggregation not in ops or collectives.size() == 1 or reading_locally():
+                return self._primary  # ONLY_FIRST_REPLICA: the first local replica, as MWMS reads it
+            return collectives.allreduce([self._primary.read_value()], op=ops[self._aggregation],
+                                         scope="tfdist_sync_on_read")[0]
+
+        def __getattr__(self, name):
+            # TensorFlow delegates unknown attributes to the variable's value, which in
+            # cross-replica context would be a collective (checkpointing looks attributes up):
+            # delegate to this rank's own variable instead.
+            if name.startswith("_self_") or name in ("_values", "_use_resource_variables",
+                                                     "_attribute_sentinel", "_distributed_container"):
+                return super().__getattr__(name)
+            return getattr(self._get_on_device_or_primary(), name)
+
+        def _gather_saveables_for_checkpoint(self):
+            return {"VARIABLE_VALUE": lambda name=self._common_name: RankValueSaveable(self, name)}
+
+    return RankSyncOnReadVariable
