@@ -4,6 +4,11 @@
 ds, plan = pipelines.read_dataset(path, 32, training=True, skip_corrupt=True)
 model.fit(ds, steps_per_epoch=plan.steps_per_epoch, callbacks=[SkippedRecordsReport(plan.skipped)])
 ```
+
+The counts are those of one epoch (never summed over epochs): in training, the records the
+counting pass found bad, which every epoch drops; in evaluation mode, what the pass dropped.
+They cover this rank's part of the data (its `plan.skipped`): with one pipeline per rank, the
+ranks' counts add up to the job's.
 """
 
 import logging
@@ -14,7 +19,11 @@ log = logging.getLogger("tfdist.pipelines")
 
 
 class SkippedRecordsReport(Callback):
-    """Logs the per-shard skip counts at each epoch end, adds `skipped_records` to the logs, resets."""
+    """Logs the per-shard skip counts at each epoch end, adds `skipped_records` to the logs, resets.
+
+    `skipped_records` is this rank's count for the epoch (no collective: it may run on some
+    ranks only); `rank` only labels the log lines.
+    """
 
     def __init__(self, skipped, rank=None):
         super().__init__()

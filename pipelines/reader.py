@@ -9,7 +9,9 @@ model.fit(ds, steps_per_epoch=plan.steps_per_epoch)
 Every record is read exactly once per pass over all pipelines. When the shard count divides by
 the number of input pipelines, each pipeline reads whole shards (`mode="file"`); otherwise each
 reads one contiguous range of the global record sequence (`mode="range"`, at most two partial
-shards per pipeline), so no record is lost or doubled.
+shards per pipeline), so no record is lost or doubled. With `skip_corrupt=True` in training, a
+counting pass before training finds the records that can be read, and the epochs are planned
+from those (see `read_dataset`).
 """
 
 import dataclasses
@@ -17,11 +19,14 @@ import hashlib
 import json
 import logging
 import os
+import sys
 
-import numpy as np
 import tensorflow as tf
 
 from tfdist.pipelines import manifest as manifest_lib
+from tfdist.pipelines.records import (  # noqa: F401  (parser_for, explain_record: public here too)
+    SkippedRecords, block_parser_for, checked_records, count_bad_records, explain_record, parser_for,
+)
 
 log = logging.getLogger("tfdist.pipelines")
 
@@ -35,6 +40,7 @@ class ShardPlan:
     records: int
     steps_per_epoch: int = 0
     skipped: object = None  # SkippedRecords in skip_corrupt mode
+    good_records: object = None  # skip_corrupt in training: this pipeline's readable records
 
 
 def plan_shards(manifest, num_pipelines, pipeline_id, batch_size=1, drop_remainder=True):
@@ -63,187 +69,6 @@ def plan_shards(manifest, num_pipelines, pipeline_id, batch_size=1, drop_remaind
     return ShardPlan(mode, tuple(mine), sum(n for _, _, n in mine), steps)
 
 
-def parser_for(manifest):
-    """A function parsing one serialized record into a dict of tensors, per the manifest's spec."""
-    spec = {}
-    for name, f in manifest.features.items():
-        kind = {"int64": tf.int64, "float": tf.float32}.get(f.encoding, tf.string)
-        spec[name] = tf.io.FixedLenFeature([], kind)
-
-    def parse(record):
-        parsed = tf.io.parse_single_example(record, spec)
-        out = {}
-        for name, f in manifest.features.items():
-            value = parsed[name]
-            if f.encoding == "raw":
-                value = tf.reshape(tf.io.decode_raw(value, tf.dtypes.as_dtype(f.dtype)), f.shape)
-            elif f.encoding in ("int64", "float"):
-                value = tf.cast(value, tf.dtypes.as_dtype(f.dtype))
-            out[name] = value
-        return out
-
-    return parse
-
-
-class SkippedRecords:
-    """Per-shard counts of records dropped in `skip_corrupt` mode (unreadable or unparsable).
-
-    `read_dataset(..., skip_corrupt=True)` returns one in its plan; `report()` lists the counts
-    since the last `reset()`, and `callbacks.SkippedRecordsReport` logs them every epoch.
-    """
-
-    def __init__(self, segments):
-        self.files = [path for path, _, _ in segments]
-        with tf.init_scope():
-            # ON_READ: replica-local state, never broadcast or synced by a strategy.
-            self.counts = tf.Variable(
-                tf.zeros([len(self.files)], tf.int64), trainable=False, name="skipped_records",
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.SUM,
-            )
-
-    def add(self, segment, count):
-        return self.counts.scatter_add(tf.IndexedSlices(tf.reshape(count, [1]), tf.reshape(segment, [1])))
-
-    def report(self):
-        counts = self.counts.numpy()
-        totals = {}
-        for path, n in zip(self.files, counts):
-            if n:
-                totals[path] = totals.get(path, 0) + int(n)
-        return totals
-
-    def reset(self):
-        self.counts.assign(tf.zeros_like(self.counts))
-
-
-PARSE_BLOCK = 64  # records parsed together: vectorised parsing, per-record error checks
-
-
-def block_parser_for(manifest):
-    """Parse a block of serialized records without failing on a bad record.
-
-    Returns `parse_block(records) -> (problems [n, features] bool, examples dict of [n, ...])`:
-    a record with a feature missing, repeated, or of the wrong byte size gets zeros and a
-    problem flag instead of an error. (A feature stored with another proto type, e.g. an int64
-    list where the manifest says bytes, still fails the whole block; the caller handles that.)
-    """
-    features = list(manifest.features.items())
-    spec = {}
-    for name, f in features:
-        spec[name] = tf.io.RaggedFeature({"int64": tf.int64, "float": tf.float32}.get(f.encoding, tf.string))
-
-    def parse_block(records):
-        parsed = tf.io.parse_example(records, spec)
-        n = tf.shape(records)[0]
-        problems, out = [], {}
-        for name, f in features:
-            values = parsed[name]
-            ok = tf.equal(values.row_lengths(), 1)
-            default = "" if values.dtype == tf.string else 0
-            flat = values.to_tensor(default_value=default, shape=[None, 1])[:, 0]
-            if f.encoding == "raw":
-                dtype = tf.dtypes.as_dtype(f.dtype)
-                nbytes = int(np.prod(f.shape, dtype=np.int64)) * dtype.size
-                ok &= tf.equal(tf.strings.length(flat), nbytes)
-                flat = tf.where(ok, flat, tf.fill([n], tf.constant(b"\0" * nbytes)))
-                value = tf.reshape(tf.io.decode_raw(flat, dtype), tf.concat([[n], f.shape], 0))
-            elif f.encoding in ("int64", "float"):
-                value = tf.cast(flat, tf.dtypes.as_dtype(f.dtype))
-            else:
-                value = flat
-            problems.append(~ok)
-            out[name] = value
-        return tf.stack(problems, axis=1), out
-
-    return parse_block
-
-
-def _zeros_like_spec(spec):
-    return tf.nest.map_structure(
-        lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), spec
-    )
-
-
-def _checked_records(segment, path, start, count, parse_block, feature_names, skipped):
-    """Records [start, start+count) of one shard, parsed in blocks. A record that cannot be read
-    or parsed raises an error naming the shard and record (with `skipped`: counted and dropped).
-
-    TFRecord reading stops at a corrupt record (so the tail goes missing), a block whose parse
-    fails is dropped (a gap in the block numbers), and bad records inside a block are flagged;
-    a sentinel after the last block checks the tail.
-    """
-    def parse_numbered(k, records):
-        return k, tf.shape(records, tf.int64)[0], parse_block(records)
-
-    raw = tf.data.TFRecordDataset(path).skip(start).take(count).ignore_errors().batch(PARSE_BLOCK)
-    blocks = raw.enumerate().map(parse_numbered).ignore_errors()
-    sentinel = tf.data.Dataset.from_tensors(_zeros_like_spec(blocks.element_spec)).map(
-        lambda k, n, parsed: (tf.constant(-1, tf.int64), n, parsed)
-    )
-
-    def track(state, element):
-        expected_block, seen = state
-        k, n, parsed = element
-        return (k + 1, seen + n), (k, expected_block, seen, parsed)
-
-    def check(k, expected_block, seen, parsed):
-        problems, examples = parsed
-        is_sentinel = tf.equal(k, -1)
-        bad_rows = tf.reduce_any(problems, axis=1)
-        if skipped is not None:
-            lost = tf.where(is_sentinel, count - seen, tf.reduce_sum(tf.cast(bad_rows, tf.int64)))
-            with tf.control_dependencies([skipped.add(segment, lost)]):
-                return tf.identity(bad_rows), examples, is_sentinel
-        unreadable = (
-            "shard {}: records from {} on could not be read or parsed ({} of {} read): a corrupt "
-            "record, a truncated file, or a feature stored with another type than the manifest "
-            "says; `tfdist-data validate` or pipelines.explain_record names the cause; read with "
-            "skip_corrupt=True to skip and count such records"
-        )
-        dropped = tf.strings.format(unreadable, (path, start + expected_block * PARSE_BLOCK, seen, count))
-        # padded with an all-bad row so the argmax is defined for an empty (sentinel) block
-        padded = tf.concat([problems, tf.ones([1, len(feature_names)], tf.bool)], 0)
-        row = tf.argmax(tf.cast(tf.reduce_any(padded, axis=1), tf.int32), output_type=tf.int64)
-        feature = tf.gather(tf.constant(feature_names), tf.argmax(tf.cast(tf.gather(padded, row), tf.int32)))
-        invalid = tf.strings.format(
-            "shard {}: record {}: feature {} is missing or does not match the manifest; read with "
-            "skip_corrupt=True to skip and count such records", (path, start + k * PARSE_BLOCK + row, feature))
-        truncated = tf.strings.format(unreadable, (path, start + seen, seen, count))
-        checks = [
-            tf.debugging.Assert(is_sentinel | tf.equal(k, expected_block), [dropped], summarize=1),
-            tf.debugging.Assert(~tf.reduce_any(bad_rows), [invalid], summarize=1),
-            tf.debugging.Assert(~is_sentinel | tf.equal(seen, count), [truncated], summarize=1),
-        ]
-        with tf.control_dependencies(checks):
-            return tf.identity(bad_rows), examples, is_sentinel
-
-    checked = blocks.concatenate(sentinel).scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), track).map(check)
-    def good_rows(bad, examples, is_sentinel):
-        return tf.nest.map_structure(lambda t: tf.boolean_mask(t, ~bad), examples)
-
-    # the sentinel block is empty, so it vanishes in unbatch()
-    return checked.map(good_rows).unbatch()
-
-
-def explain_record(source, path, index):
-    """Why record `index` of shard file `path` fails: names the feature (or the read error)."""
-    manifest = manifest_lib.load(source) if not isinstance(source, manifest_lib.Manifest) else source
-    try:
-        record = next(iter(tf.data.TFRecordDataset(path).skip(index).take(1)), None)
-    except tf.errors.DataLossError as e:
-        return f"shard {path}: record {index} is unreadable: {e.message}"
-    if record is None:
-        return f"shard {path}: record {index} does not exist (the file is truncated)"
-    for name, feature in manifest.features.items():
-        single = manifest_lib.Manifest(manifest.directory, {name: feature}, manifest.shards)
-        try:
-            parser_for(single)(record)
-        except (tf.errors.InvalidArgumentError, ValueError) as e:
-            return f"shard {path}: record {index}: feature {name!r} ({feature.to_json()}): {e}".strip()
-    return f"shard {path}: record {index} parses fine"
-
-
 def read_dataset(source, batch_size, *, input_context=None, training=True, map_fn=None,
                  augment_fn=None, shuffle_buffer=10_000, seed=0, cache=None, interleave_cycle=None,
                  deterministic=None, private_threads=None, ram_budget_mb=None, prefetch=True,
@@ -261,7 +86,10 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
             `fit`) splits each global batch across ranks and every record is still read once.
         training: shuffle files and records (seeded, different every epoch), repeat with
             `plan.steps_per_epoch` batches per epoch, drop the last partial batch. False:
-            evaluation order, one pass, nothing dropped.
+            evaluation order, one pass, nothing dropped. Each step is a collective, so the
+            step count is the same on every pipeline: the smallest share decides it. A pipeline
+            with more records uses a shuffled `steps_per_epoch * batch_size` of them each epoch
+            (a different subset every epoch); nothing is read twice within an epoch.
         seed, initial_epoch: epoch e shuffles with a seed derived from (seed, e), so its order
             does not depend on how many epochs this process ran before: a run resumed with
             `initial_epoch=e` (e.g. `callbacks.Checkpointer(...).initial_epoch()`) reads what an
@@ -274,7 +102,15 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
             small encoded records), in parallel.
         cache: None, "memory", or a file path prefix: caches parsed (and `map_fn`'d) examples.
         skip_corrupt: drop records that cannot be read or parsed instead of failing, and count
-            them per shard in `plan.skipped` (see `callbacks.SkippedRecordsReport`).
+            them per shard in `plan.skipped` (see `callbacks.SkippedRecordsReport`). In training,
+            a counting pass over this pipeline's part runs first (it reads the part once), so
+            `plan.steps_per_epoch` counts readable records only, known when this returns, and
+            every epoch holds each readable record at most once (exactly once when the shares
+            are equal and divide by the batch). The pipelines agree on the smallest share: with
+            Horovod running one rank per pipeline they exchange their counts (a collective:
+            every rank must call `read_dataset` alike); otherwise this process counts every
+            pipeline's share itself. `plan.good_records` is this pipeline's readable count, and
+            `plan.skipped` reports the records each epoch drops (the same every epoch).
     """
     if isinstance(source, manifest_lib.Manifest):
         manifest = source
@@ -286,24 +122,29 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     plan = plan_shards(manifest, pipelines, pipeline_id, batch_size, drop_remainder=training)
     _check_files(manifest, plan)
-    skipped = SkippedRecords(plan.segments) if skip_corrupt else None
-    plan = dataclasses.replace(plan, skipped=skipped)
     log.info("pipeline %d/%d reads %d records from %d segment(s), mode=%s",
              pipeline_id, pipelines, plan.records, len(plan.segments), plan.mode)
-
     parse_block = block_parser_for(manifest)
     feature_names = list(manifest.features)
+    cycle = interleave_cycle or min(len(plan.segments), 8)
+    who, expected_bad = _who(), None
+    if skip_corrupt and training:
+        plan = _plan_readable(manifest, plan, pipelines, pipeline_id, batch_size, parse_block, cycle, who)
+        expected_bad = tf.constant(plan.skipped.per_epoch or [0], tf.int64)
+    elif skip_corrupt:
+        plan = dataclasses.replace(plan, skipped=SkippedRecords(plan.segments))
+    skipped = plan.skipped
     segments = tf.data.Dataset.from_tensor_slices((
         tf.range(len(plan.segments), dtype=tf.int64),
         tf.constant([s[0] for s in plan.segments]),
         tf.constant([s[1] for s in plan.segments], tf.int64),
         tf.constant([s[2] for s in plan.segments], tf.int64),
     ))
-    cycle = interleave_cycle or min(len(plan.segments), 8)
 
     def records(segments):
         ds = segments.interleave(
-            lambda i, path, start, count: _checked_records(i, path, start, count, parse_block, feature_names, skipped),
+            lambda i, path, start, count: checked_records(
+                i, path, start, count, parse_block, feature_names, skipped, expected_bad, who),
             cycle_length=max(cycle, 1), num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=not training if deterministic is None else deterministic,
         )
@@ -350,6 +191,58 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
         ds.tfdist_per_rank = True  # split already: tfdist.HorovodStrategy leaves it as it is
     ds.manifest_identity = manifest_identity(manifest)  # compared across ranks by tfdist.consistency
     return ds, plan
+
+
+def _plan_readable(manifest, plan, pipelines, pipeline_id, batch_size, parse_block, cycle, who):
+    """`plan` with its steps per epoch from the readable records (skip_corrupt in training).
+
+    Counts this pipeline's bad records in one pass, then takes the smallest readable share of
+    all pipelines: from the other ranks (one Horovod rank per pipeline), or by counting the
+    other shares here (no Horovod, or another pipeline count than ranks).
+    """
+    bad = count_bad_records(plan.segments, parse_block, cycle)
+    good = plan.records - sum(bad)
+    if pipelines == 1:
+        goods = [good]
+    elif _horovod_ranks()[1] == pipelines:
+        from tfdist import collectives
+
+        goods = collectives.allgather_object(good, name="tfdist.pipelines.readable")
+    else:
+        log.info("%scounting all %d pipelines' shares here (Horovod runs %d rank(s)), to agree on "
+                 "the step count", who, pipelines, _horovod_ranks()[1])
+        goods = []
+        for p in range(pipelines):
+            if p == pipeline_id:
+                goods.append(good)
+                continue
+            other = plan_shards(manifest, pipelines, p)
+            _check_files(manifest, other)
+            goods.append(other.records - sum(count_bad_records(other.segments, parse_block, cycle)))
+    steps = min(goods) // batch_size
+    log.info("%s%d of %d records in this share are readable (%d skipped every epoch); "
+             "steps_per_epoch=%d (batch %d, smallest readable share %d)",
+             who, good, plan.records, sum(bad), steps, batch_size, min(goods))
+    if steps == 0:
+        log.warning("%sno training steps: the smallest readable share holds %d records, fewer than "
+                    "one batch of %d", who, min(goods), batch_size)
+    return dataclasses.replace(plan, steps_per_epoch=steps, good_records=good,
+                               skipped=SkippedRecords(plan.segments, per_epoch=bad))
+
+
+def _horovod_ranks():
+    """(rank, size) of the running Horovod job; (0, 1) where Horovod is not imported or not started."""
+    if "horovod.tensorflow" not in sys.modules:
+        return 0, 1
+    from tfdist import collectives
+
+    return collectives.process_rank(), collectives.process_size()
+
+
+def _who():
+    """'rank R: ' in a multi-rank Horovod job (to start messages with), else ''."""
+    rank, size = _horovod_ranks()
+    return f"rank {rank}: " if size > 1 else ""
 
 
 def manifest_identity(manifest):

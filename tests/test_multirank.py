@@ -135,6 +135,16 @@ def test_evaluate_on_uneven_data_is_exact_global(keras_flavor, tmp_path_factory)
         assert ranks[rank]["metrics"]["predict_max_error"] < 1e-5
 
 
+def test_uneven_global_batch_warned_once_by_the_chief(keras_flavor, tmp_path_factory):
+    ranks, _ = train_results(keras_flavor, tmp_path_factory)
+    # arrays at 15 (fit twice), tensors at 13, tf.data at 11: one warning each, on rank 0 only,
+    # naming the batch and the rank count; batch 16 (arrays and tf.data) warns nowhere
+    warned = ranks[0]["uneven_warnings"]
+    assert [w.split(": a global batch of ")[1].split(" ")[0] for w in warned] == ["15", "13", "11"]
+    assert all(w.startswith("tfdist: rank 0: a global batch of ") and "across 2 ranks" in w for w in warned)
+    assert ranks[1]["uneven_warnings"] == []
+
+
 def test_strategy_topology_and_input_contexts(tmp_path_factory):
     ranks, _ = train_results("keras3", tmp_path_factory)
     f0, f1 = ranks[0]["facts"], ranks[1]["facts"]
@@ -190,6 +200,33 @@ def test_two_ranks_read_every_record_exactly_once(tmp_path, shards, mode):
     assert r0["train"]["steps"] == r1["train"]["steps"] == 20 // 4
     train = r0["train"]["ids"] + r1["train"]["ids"]
     assert len(train) == 2 * 5 * 4 and len(set(train)) == len(train)
+
+
+def test_two_ranks_skipping_corrupt_records_read_every_good_record_once_per_epoch(tmp_path):
+    from test_pipelines import corrupt_byte, write_with_bad_records
+
+    from tfdist.pipelines import write_arrays
+
+    # "range": one shard of 60 with 10 unparsable records (3, 9, ..., 57), 5 in each rank's half
+    write_with_bad_records(tmp_path / "range")
+    # "file": two shards of 60 (even and odd ids), records 50-59 of each unreadable (corrupt tail)
+    m = write_arrays({"id": np.arange(120, dtype=np.int64)}, tmp_path / "file", shard_bytes=1 << 30, min_shards=2)
+    for shard in m.shards:
+        corrupt_byte(m.path(shard), 50, shard.records)
+    good = {"range": [i for i in range(60) if i not in range(3, 60, 6)], "file": list(range(100))}
+    ranks = run_job([WORKERS / "pipeline_checks.py", "--corrupt", tmp_path / "range", tmp_path / "file"],
+                    tmp_path / "out", np=2)
+    for name, per_rank, steps in (("range", 25, 5), ("file", 50, 10)):
+        r0, r1 = ranks[0][name], ranks[1][name]
+        assert r0["mode"] == r1["mode"] == name
+        assert r0["steps"] == r1["steps"] == steps and r0["good"] == r1["good"] == per_rank
+        for rank, r in enumerate((r0, r1)):  # agreed through a collective, not by reading all shares
+            assert any(t.startswith(f"rank {rank}: {per_rank} of ") for t in r["log"])
+            assert not any("counting all" in t for t in r["log"])
+        for epoch in (0, 1):  # each epoch: the good records, each once across the ranks
+            e0, e1 = r0["epochs"][epoch], r1["epochs"][epoch]
+            assert sorted(e0["ids"] + e1["ids"]) == good[name]
+            assert sum(e0["skipped"].values()) + sum(e1["skipped"].values()) == (10 if name == "range" else 20)
 
 
 def test_overflow_on_one_rank_is_skipped_by_all_ranks(keras_flavor, tmp_path):

@@ -243,3 +243,109 @@ def test_skip_corrupt_drops_only_the_bad_records(tmp_path):
     assert plan.skipped.report() == {str(path): 2}
     with pytest.raises(tf.errors.InvalidArgumentError, match=r'record 3: feature .*"x.* is missing'):
         read_all(tmp_path / "ds")
+
+
+def write_with_bad_records(directory, n=60, bad=range(3, 60, 6)):
+    """One shard of `n` records, ids 0..n-1; those in `bad` lack feature "x" (unparsable)."""
+    from tfdist.pipelines import manifest as manifest_lib
+    from tfdist.pipelines.writer import infer_spec, serialize
+
+    specs = infer_spec({"id": np.int64(0), "x": np.zeros(3, np.float32)})
+    path = directory / "mixed.tfrecord"
+    directory.mkdir()
+    with tf.io.TFRecordWriter(str(path)) as w:
+        for i in range(n):
+            if i in bad:
+                w.write(serialize({"id": np.int64(i)}, {"id": specs["id"]}))
+            else:
+                w.write(serialize({"id": np.int64(i), "x": np.full(3, i, np.float32)}, specs))
+    shard = manifest_lib.Shard("mixed.tfrecord", n, os.path.getsize(path), "")
+    manifest_lib.Manifest(str(directory), specs, (shard,)).save()
+    return str(path)
+
+
+def training_epochs(source, batch_size, pipelines, epochs=2):
+    """Per epoch: the ids each of `pipelines` training pipelines reads in `steps_per_epoch` steps,
+    and what their `plan.skipped` report after it (reset between epochs, as the callback does)."""
+    plans, iterators = [], []
+    for p in range(pipelines):
+        context = tf.distribute.InputContext(pipelines, p, pipelines) if pipelines > 1 else None
+        ds, plan = read_dataset(source, batch_size, input_context=context, training=True,
+                                skip_corrupt=True, seed=3, shuffle_buffer=16)
+        plans.append(plan)
+        iterators.append(iter(ds))
+    assert len({plan.steps_per_epoch for plan in plans}) == 1  # every step is a collective
+    out = []
+    for _ in range(epochs):
+        ids = [np.concatenate([next(it)["id"].numpy() for _ in range(plans[0].steps_per_epoch)]).tolist()
+               for it in iterators]
+        out.append((ids, [plan.skipped.report() for plan in plans]))
+        for plan in plans:
+            plan.skipped.reset()
+    return plans, out
+
+
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_skip_corrupt_training_epochs_hold_every_good_record_once(tmp_path, pipelines):
+    path = write_with_bad_records(tmp_path / "ds")  # 60 records, 10 of them bad: 3, 9, ..., 57
+    good = [i for i in range(60) if i not in range(3, 60, 6)]
+    plans, epochs = training_epochs(tmp_path / "ds", 5, pipelines)
+    # steps from the 50 good records (25 per pipeline with 2: records 0-29 and 30-59, 5 bad each)
+    assert plans[0].steps_per_epoch == 50 // 5 // pipelines
+    assert [plan.good_records for plan in plans] == [50 // pipelines] * pipelines
+    assert {plan.mode for plan in plans} == {"file" if pipelines == 1 else "range"}
+    for ids, reports in epochs:
+        assert sorted(sum(ids, [])) == good  # each good record once, nothing from the next epoch
+        assert sum(sum(r.values()) for r in reports) == 10  # this epoch's drops, not cumulative
+        assert all(set(r) == {path} for r in reports)
+    assert epochs[0][0] != epochs[1][0]  # reshuffled
+
+
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_skip_corrupt_training_with_corrupt_tails(tmp_path, pipelines):
+    m = write_arrays({"id": np.arange(120, dtype=np.int64)}, tmp_path / "ds", shard_bytes=1 << 30, min_shards=2)
+    for shard in m.shards:  # a corrupt record 50 makes records 50-59 of each shard unreadable
+        corrupt_byte(m.path(shard), 50, shard.records)
+    good, _ = read_all(tmp_path / "ds", skip_corrupt=True)
+    assert len(good["id"]) == 100
+    plans, epochs = training_epochs(tmp_path / "ds", 5, pipelines)
+    assert plans[0].steps_per_epoch == 100 // 5 // pipelines
+    for ids, reports in epochs:
+        assert sorted(sum(ids, [])) == sorted(good["id"].tolist())
+        assert [sum(r.values()) for r in reports] == [20 // pipelines] * pipelines
+
+
+def test_skip_corrupt_training_takes_the_smallest_share_and_never_repeats(tmp_path):
+    m = write_arrays({"id": np.arange(60, dtype=np.int64)}, tmp_path / "ds", shard_bytes=1 << 30, min_shards=2)
+    corrupt_byte(m.path(m.shards[1]), 12, m.shards[1].records)  # shard 1: 12 of its 30 readable
+    plans, epochs = training_epochs(tmp_path / "ds", 4, 2)
+    assert [plan.good_records for plan in plans] == [30, 12] and plans[0].steps_per_epoch == 3
+    for ids, reports in epochs:
+        assert len(ids[0]) == len(set(ids[0])) == 12  # 12 of pipeline 0's 30, a new draw each epoch
+        assert sorted(ids[1]) == list(range(1, 24, 2))  # all 12 readable records of shard 1
+        assert reports == [{}, {m.path(m.shards[1]): 18}]
+
+
+def test_skip_corrupt_training_report_and_keras_logs_per_epoch(tmp_path, caplog):
+    import keras
+
+    from tfdist.callbacks import SkippedRecordsReport
+
+    path = write_with_bad_records(tmp_path / "ds")
+    ds, plan = read_dataset(tmp_path / "ds", 5, training=True, skip_corrupt=True)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(ds.map(lambda e: (e["x"], e["x"][:, :1])), epochs=3, steps_per_epoch=plan.steps_per_epoch,
+                        verbose=0, callbacks=[SkippedRecordsReport(plan.skipped)])
+    assert plan.steps_per_epoch == 10 and history.history["skipped_records"] == [10, 10, 10]
+    assert caplog.text.count(f"skipped 10 corrupt record(s) in {path}") == 3
+
+
+def test_skip_corrupt_training_fails_if_a_file_changes_after_counting(tmp_path):
+    m = write_arrays({"id": np.arange(40, dtype=np.int64)}, tmp_path / "ds", min_shards=1)
+    ds, plan = read_dataset(tmp_path / "ds", 4, training=True, skip_corrupt=True)
+    assert plan.steps_per_epoch == 10 and plan.skipped.report() == {}
+    corrupt_byte(m.path(m.shards[0]), 30, 40)  # same size: only the next pass can tell
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"records 0 to 39 held 0 bad record\(s\) when counted before training but 10 on this pass"):
+        for _ in ds.take(plan.steps_per_epoch):
+            pass

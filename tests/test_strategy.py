@@ -76,6 +76,33 @@ def test_global_batch_that_cannot_be_split_is_named_and_uneven_one_warned():
     assert check_global_batch(ds.batch(15), 3) is None
 
 
+def test_uneven_batch_known_only_at_run_time_is_warned_once_and_stays_checkpointable(strategy, caplog, tmp_path):
+    from tfdist.input_contract import warn_uneven_global_batch
+
+    noted = set()
+    static = tf.data.Dataset.range(30).batch(15)
+    assert warn_uneven_global_batch(static, 2, noted) is static  # known statically: warned now
+    warn_uneven_global_batch(static, 2, noted)
+    assert caplog.text.count("rank 0: a global batch of 15 does not divide evenly across 2 ranks") == 1
+    # batches made inside a flat_map, as Keras' array datasets make them: size unknown until run
+    dynamic = tf.data.Dataset.range(39).batch(13).flat_map(tf.data.Dataset.from_tensors)
+    watched = warn_uneven_global_batch(dynamic, 2, noted)
+    assert "global batch of 13" not in caplog.text
+    iterator = iter(watched)
+    assert next(iterator).numpy().tolist() == list(range(13))
+    assert caplog.text.count("rank 0: a global batch of 13 does not divide evenly across 2 ranks") == 1
+    checkpoint = tf.train.Checkpoint(iterator=iterator)  # no stateful op in the watch
+    saved = checkpoint.save(str(tmp_path / "it"))
+    assert next(iterator).numpy()[0] == 13
+    checkpoint.restore(saved)
+    assert next(iterator).numpy()[0] == 13
+    assert [b.numpy().tolist() for b in watched] == [b.numpy().tolist() for b in dynamic]  # data unchanged
+    assert caplog.text.count("global batch of 13") == 1  # once, however often it is iterated
+    even = tf.data.Dataset.range(40).batch(16).flat_map(tf.data.Dataset.from_tensors)  # 16, 16, 8
+    list(warn_uneven_global_batch(even, 2, noted))
+    assert "global batch of 16" not in caplog.text and "global batch of 8" not in caplog.text
+
+
 def test_reader_marks_per_rank_datasets_only(tmp_path):
     from tfdist.pipelines import read_dataset, write_arrays
 

@@ -2,14 +2,19 @@
 
 Under the default `batch_convention="global"` a dataset is batched by the global batch and each
 rank takes its part of every batch (see `HorovodExtended._distribute_global_dataset`). These
-checks and helpers keep that exact: the batch must divide by the rank count, datasets that
-tfdist's reader already split per rank are recognised, and the ranks' shuffles agree.
+checks and helpers keep that exact: the batch must divide by the rank count (the chief warns
+once when it does not), datasets that tfdist's reader already split per rank are recognised, and
+the ranks' shuffles agree.
 """
+
+import logging
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist import _compat, collectives, consistency
+
+log = logging.getLogger("tfdist")
 
 
 def agree_on_tf_seed():
@@ -37,18 +42,76 @@ def check_global_batch(dataset, size):
     batches itself for arrays shorter than `batch_size`. Evaluation and prediction stay exact;
     in training, Keras' 1/num_replicas loss scaling then weights the ranks' examples unequally.
     """
+    batch = _static_batch(dataset, size)
+    return uneven_batch_text(batch, size) if batch > 0 and batch % size else None
+
+
+def _static_batch(dataset, size):
+    """The global batch of `dataset` as tf.distribute infers it (-1: unknown before it runs)."""
     specs = [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
     if specs and all(s.shape.rank == 0 for s in specs):
         raise ValueError(
             f"HorovodStrategy cannot split this dataset across {size} ranks: its elements have no "
             f"batch dimension (element_spec {dataset.element_spec}). Batch it by the global batch "
             "size, e.g. dataset.batch(per_rank_batch * strategy.num_replicas_in_sync).")
-    batch = int(_compat.compute_batch_size(dataset))
-    if batch > 0 and batch % size:
-        return (f"a global batch of {batch} does not divide evenly across {size} ranks: ranks get "
-                f"parts that differ by one example, and training then weights examples unequally "
-                f"(as MWMS does). Use a global batch divisible by {size} for exact training steps.")
-    return None
+    return int(_compat.compute_batch_size(dataset))
+
+
+def uneven_batch_text(batch, size):
+    """The warning for a global batch of `batch` split across `size` ranks that it does not divide."""
+    return (f"a global batch of {batch} does not divide evenly across {size} ranks: ranks get "
+            f"parts that differ by one example, and training then weights examples unequally "
+            f"(as MWMS does). Use a global batch divisible by {size} for exact training steps.")
+
+
+def warn_uneven_global_batch(dataset, size, noted):
+    """Check `dataset` as `check_global_batch` does, warn on the chief; return what to distribute.
+
+    The warning goes to the `tfdist` logger on rank 0 only, once per batch size and job
+    (`noted`: the texts warned already). Where the batch size is known statically (e.g.
+    `dataset.batch(15)`) it is warned here; where it is not (the datasets Keras 3 and tf-keras
+    build from arrays and tensors make their batches inside a `flat_map`), rank 0's dataset is
+    returned with a watch on the size of the first batch of each pass, which warns when that
+    batch is produced. Other ranks get `dataset` back unchanged.
+    """
+    batch = _static_batch(dataset, size)  # raises on every rank for unbatched elements
+    if collectives.rank() != 0:
+        return dataset
+    if batch <= 0:
+        return _watch_first_batch(dataset, size, noted)
+    if batch % size:
+        _warn_once(uneven_batch_text(batch, size), noted)
+    return dataset
+
+
+def _warn_once(text, noted):
+    if text not in noted:
+        noted.add(text)
+        log.warning("tfdist: rank %d: %s", collectives.rank(), text)
+
+
+def _watch_first_batch(dataset, size, noted):
+    """`dataset` with a check of each pass's first batch: a host call warns if `size` does not divide it."""
+    flat = tf.nest.flatten(dataset.element_spec)
+    dense = [i for i, s in enumerate(flat) if isinstance(s, tf.TensorSpec) and (s.shape.rank or 0) >= 1]
+    if not dense:
+        return dataset
+
+    def warn(batch):
+        _warn_once(uneven_batch_text(int(batch), size), noted)
+        return np.int64(0)
+
+    def observe(index, element):
+        batch = tf.shape(tf.nest.flatten(element)[dense[0]], out_type=tf.int64)[0]
+        uneven = tf.logical_and(tf.equal(index, 0), tf.not_equal(batch % size, 0))
+        # stateful=False: a logging side effect only, so iterators of the dataset stay checkpointable
+        done = tf.cond(uneven, lambda: tf.numpy_function(warn, [batch], tf.int64, stateful=False),
+                       lambda: tf.constant(0, tf.int64))
+        with tf.control_dependencies([done]):
+            element = tf.nest.map_structure(tf.identity, element, expand_composites=True)
+        return index + 1, element
+
+    return dataset.scan(tf.constant(0, tf.int64), observe)
 
 
 def is_per_rank(dataset):

@@ -8,6 +8,7 @@ and with the single-process reference.
 """
 
 import argparse
+import logging
 import os
 import sys
 
@@ -291,6 +292,36 @@ def strategy_facts(strategy, results):
     results["facts"]["records_seen"] = seen
 
 
+class WarningTexts(logging.Handler):
+    """Collects the texts of the warnings a logger emits."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.texts = []
+
+    def emit(self, record):
+        self.texts.append(record.getMessage())
+
+
+def uneven_batch_warning_checks(strategy, results):
+    """fit at global batches 2 ranks do not divide (arrays, tensors, tf.data): what each rank warns."""
+    handler = WarningTexts()
+    logger = logging.getLogger("tfdist")
+    logger.addHandler(handler)
+    x, y = make_data("dense", 60)
+    with strategy.scope():
+        model = build_model("dense", 3)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss_fn())
+    model.fit(x, y, batch_size=15, epochs=2, verbose=0)  # numpy arrays
+    model.fit(x, y, batch_size=15, epochs=1, verbose=0)  # the same batch again: warned already
+    model.fit(tf.constant(x), tf.constant(y), batch_size=13, epochs=1, verbose=0)  # tensors
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(11), epochs=1, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # divisible (16, 16, 16, 12): no warning
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0)
+    logger.removeHandler(handler)
+    results["uneven_warnings"] = [t for t in handler.texts if "global batch" in t]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -308,6 +339,7 @@ def main():
     if not args.reference:
         metric_checks(strategy, results)
         strategy_facts(strategy, results)
+        uneven_batch_warning_checks(strategy, results)
     write_results(args.out, strategy.rank, results)
 
 
