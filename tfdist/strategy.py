@@ -285,10 +285,9 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
     def _distribute_global_dataset(self, dataset, options):
         """As MWMS: split every global batch across ranks (rebatch), then auto-shard."""
         size = collectives.size()
-        uneven = input_contract.check_global_batch(dataset, size)
-        if uneven and uneven not in self._noted_uneven:
-            self._noted_uneven.add(uneven)
-            log.warning("tfdist: rank %d: %s", collectives.rank(), uneven)
+        # Raises for unbatched elements; the chief warns once per uneven batch size (watching the
+        # first batch where the size is known only at run time, as in Keras' array datasets).
+        watched = input_contract.warn_uneven_global_batch(dataset, size, self._noted_uneven)
         policy = dataset.options().experimental_distribute.auto_shard_policy
         if (not self._noted_presharded and policy != tf.data.experimental.AutoShardPolicy.OFF
                 and input_contract.is_sharded(dataset)):
@@ -300,7 +299,7 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
                 "or set options.experimental_distribute.auto_shard_policy = OFF.",
                 collectives.rank(), size, size)
         return _compat.input_util.get_distributed_dataset(
-            dataset,
+            watched,
             self._input_workers_with_options(options),
             self._container_strategy(),
             num_replicas_in_sync=size,
