@@ -39,16 +39,6 @@ TIMEOUT = 300
 _cache = {}
 
 
-def known_difference(request, job, what):
-    """Mark a HorovodStrategy job's test as a known, documented difference from MWMS.
-
-    The test still asserts MWMS's behaviour; the mark is strict, so the day HorovodStrategy
-    matches MWMS here the test fails until the mark and docs/DISTRIBUTE_API.md are updated.
-    """
-    if job in HOROVOD_JOBS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"docs/DISTRIBUTE_API.md: {what}"))
-
-
 # --- launching ---------------------------------------------------------------------------------
 def _free_ports(n):
     sockets = [socket.socket() for _ in range(n)]
