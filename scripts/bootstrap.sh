@@ -1,57 +1,154 @@
 #!/usr/bin/env bash
-# Set up everything tfdist needs on a fresh machine; quick (seconds) when already set up.
+# Set up a checkout's .venv with everything tfdist needs; quick (under a second) when already set up.
 #
-#   bash scripts/bootstrap.sh        # creates .venv, installs the pinned stack, builds Horovod once
+#   bash scripts/bootstrap.sh                 # .venv, the pinned stack, Horovod (built once, cached)
+#   bash scripts/bootstrap.sh --with-mpi      # also Open MPI: Horovod is then built with MPI too
+#   bash scripts/bootstrap.sh --for-tests     # every system package the test suite uses (run_tests.sh)
+#   bash scripts/bootstrap.sh --dry-run ...   # say which system packages it would install and why
 #
-# The Horovod wheel is built from its PyPI sdist against the installed TensorFlow and cached in
-# $TFDIST_CACHE (default ~/.cache/tfdist), keyed by Horovod + TensorFlow + Python versions.
+# System packages come from apt, need root, and are installed only where missing: the build tools
+# (python3.11, g++, cmake, make) always; the rest only when asked, by option or by
+# TFDIST_SYSTEM_PACKAGES (comma-separated groups, or "all"):
+#   mpi      --with-mpi      openmpi-bin libopenmpi-dev: Horovod with MPI (mpirun jobs, Adasum)
+#   slurm    --with-slurm    slurm-wlm munge: a one-node Slurm cluster for the sbatch/srun tests
+#   browser  --with-browser  chromium: the test that opens TensorBoard's pages (optional)
+#   net      --with-net      iproute2: network-namespace hosts (launch test, emulated links)
+#   tests    --for-tests     all four
+# Without root (or apt), bootstrap says what it skipped and carries on.
+#
+# Horovod is built and installed by tfdist/install_horovod.py (`tfdist-install-horovod`, the
+# command pip users run), which caches the wheel in $TFDIST_CACHE (default ~/.cache/tfdist).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${TFDIST_VENV:-$ROOT/.venv}
-CACHE=${TFDIST_CACHE:-$HOME/.cache/tfdist}
 PYTHON=${PYTHON:-python3.11}
 TF_VERSION=2.21.0
 HOROVOD_VERSION=0.28.1
 STAMP=$VENV/.tfdist-stamp
-# The stamp records what was installed; a change to this file or setup.cfg re-runs the install.
-WANT="tf=$TF_VERSION hvd=$HOROVOD_VERSION $(cat "$ROOT/setup.cfg" "$0" | sha1sum | cut -c1-12)"
+GROUPS_ALL=(mpi slurm browser net)
 
 log() { echo "[bootstrap] $*" >&2; }
+die() { log "error: $*"; exit 2; }
 # pip, minus the notes this machine's extra local indexes print for every package.
 pip_quiet() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+declare -A ASKED=()  # group -> who asked for it
+ask() {
+  case $1 in
+    "") ;;
+    all|tests) for g in "${GROUPS_ALL[@]}"; do ask "$g" "$2"; done ;;
+    mpi|slurm|browser|net) [ -n "${ASKED[$1]:-}" ] || ASKED[$1]=$2 ;;
+    *) die "unknown system package group '$1' (from $2): expected mpi, slurm, browser, net, tests or all" ;;
+  esac
+}
+IFS=', ' read -ra from_env <<<"${TFDIST_SYSTEM_PACKAGES:-}"
+for g in "${from_env[@]}"; do ask "$g" "TFDIST_SYSTEM_PACKAGES"; done
+DRY_RUN=0
+for arg in "$@"; do
+  case $arg in
+    --with-mpi|--with-slurm|--with-browser|--with-net) ask "${arg#--with-}" "$arg" ;;
+    --for-tests) ask tests "--for-tests: the test suite uses it" ;;
+    --dry-run) DRY_RUN=1 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option '$arg' (see: bash scripts/bootstrap.sh --help)" ;;
+  esac
+done
+
+packages_of() {
+  case $1 in
+    mpi) echo openmpi-bin libopenmpi-dev ;; slurm) echo slurm-wlm munge ;;
+    browser) echo chromium ;; net) echo iproute2 ;;
+  esac
+}
+use_of() {
+  case $1 in
+    mpi) echo "Horovod with MPI too: mpirun jobs, Adasum" ;;
+    slurm) echo "a one-node Slurm cluster for the sbatch/srun tests" ;;
+    browser) echo "the TensorBoard browser test" ;;
+    net) echo "network-namespace hosts: launch test, emulated links" ;;
+  esac
+}
+present() {
+  case $1 in
+    mpi) command -v mpicxx >/dev/null ;;
+    slurm) command -v slurmd >/dev/null ;;
+    browser) command -v chromium >/dev/null || command -v chromium-browser >/dev/null ;;
+    net) command -v ip >/dev/null && command -v tc >/dev/null ;;
+  esac
+}
+CAN_INSTALL=0
+[ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && CAN_INSTALL=1
+missing=()  # asked for and not on this machine
+for g in "${GROUPS_ALL[@]}"; do
+  if [ -n "${ASKED[$g]:-}" ] && ! present "$g"; then missing+=("$g"); fi
+done
+# The stamp's first line records what was installed: a change to these files, or MPI appearing,
+# re-runs the install. Its second line, the groups asked for so far: a group asked for the first
+# time re-runs it too (one that could not be installed then is not retried on every run).
+want() {
+  local mpi=gloo-only
+  command -v mpicxx >/dev/null && mpi=mpi
+  local sources=("$ROOT/setup.cfg" "$0" "$ROOT/tfdist/install_horovod.py")
+  echo "tf=$TF_VERSION hvd=$HOROVOD_VERSION $mpi $(cat "${sources[@]}" | sha1sum | cut -c1-12)"
+}
+asked_before=$( [ -f "$STAMP" ] && sed -n 2p "$STAMP" || true)
+new_asks=()
+for g in "${missing[@]}"; do
+  [[ " $asked_before " == *" $g "* ]] || new_asks+=("$g")
+done
+if [ "$DRY_RUN" = 0 ] && [ -f "$STAMP" ] && [ "$(sed -n 1p "$STAMP")" = "$(want)" ] && [ ${#new_asks[@]} -eq 0 ]; then
+  [ ${#missing[@]} -eq 0 ] || log "still without ${missing[*]} (asked for; not installable here earlier)"
   exit 0
 fi
 
-need_apt=()
-command -v "$PYTHON" >/dev/null || need_apt+=(python3 python3-venv python3-dev)
-command -v g++ >/dev/null || need_apt+=(g++)
-command -v cmake >/dev/null || need_apt+=(cmake)
-command -v make >/dev/null || need_apt+=(make)
-command -v ip >/dev/null || need_apt+=(iproute2)  # network-namespace hosts (launch test, emulated links)
-command -v tc >/dev/null || need_apt+=(iproute2)
-# Open MPI: Horovod is built with MPI as well as Gloo, for mpirun jobs and Adasum.
-command -v mpicxx >/dev/null || need_apt+=(openmpi-bin libopenmpi-dev)
-# A one-node Slurm cluster for the sbatch/srun tests (they skip with the reason where it cannot start).
-command -v slurmd >/dev/null || need_apt+=(slurm-wlm munge)
-if [ ${#need_apt[@]} -gt 0 ]; then
-  log "installing system packages: ${need_apt[*]}"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
-  command -v "$PYTHON" >/dev/null || PYTHON=python3
+# --- system packages ---------------------------------------------------------------------------
+build_pkgs=()
+command -v "$PYTHON" >/dev/null || build_pkgs+=(python3 python3-venv python3-dev)
+command -v g++ >/dev/null || build_pkgs+=(g++)
+command -v cmake >/dev/null || build_pkgs+=(cmake)
+command -v make >/dev/null || build_pkgs+=(make)
+apt_pkgs=("${build_pkgs[@]}")
+[ ${#build_pkgs[@]} -eq 0 ] || log "system packages for Python and the Horovod build: ${build_pkgs[*]}"
+for g in "${missing[@]}"; do
+  log "system packages for $g ($(packages_of "$g"); $(use_of "$g")), asked by ${ASKED[$g]}"
+  [ "$g" = browser ] || apt_pkgs+=($(packages_of "$g"))
+done
+for g in "${GROUPS_ALL[@]}"; do
+  if [ -z "${ASKED[$g]:-}" ] && ! present "$g"; then
+    log "not installing $g ($(packages_of "$g")): not asked (--with-$g)"
+  fi
+done
+if [ "$DRY_RUN" = 1 ]; then
+  for g in "${GROUPS_ALL[@]}"; do
+    if [ -n "${ASKED[$g]:-}" ] && present "$g"; then log "$g: already installed (asked by ${ASKED[$g]})"; fi
+  done
+  [ ${#apt_pkgs[@]} -gt 0 ] || [[ " ${missing[*]} " == *" browser "* ]] || log "no system packages to install"
+  [ "$CAN_INSTALL" = 1 ] || log "not root (or no apt-get): would skip them"
+  exit 0
 fi
-# Headless Chromium for the test that opens TensorBoard's pages in a real browser. Optional: where
-# it cannot be installed (no apt, no package) that test skips and says why.
-if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
-  if command -v apt-get >/dev/null && log "installing chromium (for the browser test)" \
-      && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; then
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  if [ "$CAN_INSTALL" = 1 ]; then
+    log "installing ${apt_pkgs[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
+    command -v "$PYTHON" >/dev/null || PYTHON=python3
+  else
+    log "not root (or no apt-get): skipped ${apt_pkgs[*]};" \
+      "install them yourself (sudo apt-get install ${apt_pkgs[*]}) for what they are for (above)"
+    command -v "$PYTHON" >/dev/null || PYTHON=python3
+  fi
+fi
+# Chromium is optional: where it cannot be installed, the browser test skips and says why.
+if [[ " ${missing[*]} " == *" browser "* ]]; then
+  if [ "$CAN_INSTALL" = 1 ] && apt-get update -qq \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; then
     :
   else
     log "chromium not installed: the TensorBoard browser test will skip"
   fi
 fi
 
+# --- Python environment ------------------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PYTHON" -m venv "$VENV"
@@ -62,39 +159,10 @@ pip_quiet install -q --upgrade pip wheel 'setuptools<81' packaging
 log "installing tensorflow-cpu $TF_VERSION, tf-keras, test tools"
 pip_quiet install -q "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" tensorboard \
   numpy pytest scikit-learn matplotlib cloudpickle psutil pyyaml "tensorboard-plugin-profile==2.24.2"
-
-PYVER=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-# With MPI on the machine (mpicxx), Horovod is built with MPI too, and cached apart from Gloo-only builds.
-mpi_flag=HOROVOD_WITHOUT_MPI=1 mpi_suffix=
-command -v mpicxx >/dev/null && mpi_flag=HOROVOD_WITH_MPI=1 mpi_suffix=-mpi
-WHEEL_DIR=$CACHE/wheels/horovod-$HOROVOD_VERSION-tf$TF_VERSION-$PYVER$mpi_suffix
-if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-  log "building horovod $HOROVOD_VERSION against TF $TF_VERSION (one-off, ~5 min)"
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
-  pip_quiet download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
-  tar xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
-  src=$work/horovod-$HOROVOD_VERSION
-  # xla_mpi_ops.cc does not compile against TF 2.21 headers (XLA moved); Horovod works without it,
-  # only its XLA-compiled ops are missing (tfdist detects that and says so).
-  sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
-  mkdir -p "$WHEEL_DIR"
-  (cd "$src" && export CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
-      HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 "$mpi_flag" \
-      HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-      && pip_quiet wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" . ) \
-    || { log "horovod build failed (see above)"; rm -rf "$WHEEL_DIR.tmp"; exit 1; }
-  mv "$WHEEL_DIR.tmp"/horovod-*.whl "$WHEEL_DIR"/ && rm -rf "$WHEEL_DIR.tmp"
-fi
-pip_quiet install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
-pip_quiet install -q cffi cloudpickle psutil pyyaml packaging
 pip_quiet install -q --no-deps -e "$ROOT"
 
-log "checking horovod build"
-check=$("$VENV/bin/horovodrun" -cb 2>/dev/null)
-echo "$check" >&2
-grep -q "\[X\] TensorFlow" <<<"$check" || { log "horovod lacks TensorFlow support"; exit 1; }
-grep -q "\[X\] Gloo" <<<"$check" || { log "horovod lacks Gloo support"; exit 1; }
-grep -q "\[X\] MPI" <<<"$check" || { log "horovod lacks MPI support (is mpicxx from libopenmpi-dev installed?)"; exit 1; }
-echo "$WANT" > "$STAMP"
+# Horovod: the cached wheel, else built once (the same code as `tfdist-install-horovod`).
+"$PY" -m tfdist.install_horovod
+asked_now=$(printf '%s\n' $asked_before "${!ASKED[@]}" | sort -u | tr '\n' ' ')
+printf '%s\n%s\n' "$(want)" "${asked_now% }" > "$STAMP"
 log "ready: $VENV"

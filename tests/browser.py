@@ -6,7 +6,7 @@ with tensorboard(log_dir) as base_url:
     text = page_text(chromium_or_skip(), f"{base_url}/#scalars")
 ```
 
-Chromium is Debian's `chromium` (scripts/bootstrap.sh installs it). When it is missing or cannot
+Chromium is Debian's `chromium` (`scripts/bootstrap.sh --with-browser` installs it). When it is missing or cannot
 start, `chromium_or_skip()` skips the test and prints why; it never lets a test pass unchecked.
 """
 
@@ -37,7 +37,7 @@ def chromium_or_skip():
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     reason = None
     if binary is None:
-        reason = "chromium is not installed (scripts/bootstrap.sh installs Debian's chromium package)"
+        reason = "chromium is not installed (scripts/bootstrap.sh --with-browser installs Debian's chromium)"
     else:
         try:
             out = subprocess.run([binary, *FLAGS, "--dump-dom", "data:text/html,<p>ok</p>"],

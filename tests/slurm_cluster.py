@@ -41,7 +41,7 @@ def unavailable_reason():
     missing = [b for b in BINARIES if shutil.which(b) is None]
     if missing:
         return (f"Slurm/munge binaries missing: {', '.join(missing)} (Debian: apt-get install "
-                "slurm-wlm munge, as scripts/bootstrap.sh does)")
+                "slurm-wlm munge, as scripts/bootstrap.sh --with-slurm does)")
     return None
 
 

@@ -30,14 +30,14 @@ def _missing_mpi():
     """Why this machine cannot run real Open MPI jobs, or None."""
     mpirun = shutil.which("mpirun")
     if not mpirun:
-        return "no mpirun on the PATH: apt-get install openmpi-bin libopenmpi-dev, then scripts/bootstrap.sh"
+        return "no mpirun on the PATH: bash scripts/bootstrap.sh --with-mpi (as root) installs Open MPI"
     version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30).stdout
     if "Open MPI" not in version:
         return f"mpirun is not Open MPI ({version.strip()[:60]!r}); tfdist-run's mpirun flags are Open MPI's"
     from tfdist import collectives
 
     if not collectives.horovod().mpi_built():
-        return "Horovod was built without MPI (horovodrun -cb lists no MPI): rerun scripts/bootstrap.sh"
+        return "Horovod was built without MPI (horovodrun -cb lists no MPI): rerun scripts/bootstrap.sh --with-mpi"
     return None
 
 

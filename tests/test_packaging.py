@@ -1,14 +1,19 @@
 """The built wheel installs one `tfdist` namespace with its console scripts, and nothing top-level else."""
 
+import configparser
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
+from test_install_horovod import HIDE
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,7 @@ def test_console_scripts_run_from_the_install(installed):
     for script, expect in (("tfdist-benchmark", "--variable_update"), ("tfdist-scaling", "--repeats"),
                            ("tfdist-data", "convert"), ("tfdist-run", "--launcher"),
                            ("tfdist-tune", "--candidates"), ("tfdist-profile", "--view"),
-                           ("tfdist-predict", "--bandwidth_gbit")):
+                           ("tfdist-predict", "--bandwidth_gbit"), ("tfdist-install-horovod", "--cache-only")):
         path = target / "bin" / script
         assert path.is_file(), script
         out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd="/",
@@ -84,3 +89,145 @@ def test_every_tfdist_error_derives_from_tfdist_error():
     from tfdist import tuning
 
     assert launch.TaskPlacement is not tuning.Topology and not hasattr(launch, "Topology")
+
+
+def console_scripts():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    lines = config["options.entry_points"]["console_scripts"].strip().splitlines()
+    return [line.split("=")[0].strip() for line in lines]
+
+
+def test_every_console_script_helps_without_tensorflow(installed):
+    _, target = installed
+    scripts = console_scripts()
+    assert "tfdist-install-horovod" in scripts and "tfdist-data" in scripts
+    for script in scripts:
+        path = target / "bin" / script
+        code = (f"HIDDEN = ('tensorflow', 'keras', 'tf_keras', 'horovod')\n{HIDE}\nimport runpy\n"
+                f"sys.argv = [{str(path)!r}, '--help']\n"
+                f"try:\n    runpy.run_path({str(path)!r}, run_name='__main__')\n"
+                "except SystemExit as e:\n    print('EXIT', e.code, 'TRIED', tried)\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(target)})
+        assert "usage:" in out.stdout and "EXIT 0 TRIED []" in out.stdout, (script, out.stdout[-500:],
+                                                                            out.stderr[-2000:])
+
+
+def link_distributions(name, dest):
+    """Link the installed distribution `name` and all it requires, recursively, into `dest`.
+
+    Packages are symlinks; each .dist-info folder is a copy without its RECORD, so a pip in the
+    new environment can see these distributions but never uninstall one (through the links, that
+    would delete the project environment's files): it stops with an error instead.
+    """
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    dest.mkdir()
+    todo, seen = [name], set()
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional requirement, not installed
+        todo += [r.name for r in map(Requirement, dist.requires or [])
+                 if r.marker is None or r.marker.evaluate({"extra": ""})]
+        site = Path(dist.locate_file(""))
+        for top in {f.parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
+            if not (site / top).exists() or (dest / top).exists():
+                continue
+            if top.endswith(".dist-info"):
+                shutil.copytree(site / top, dest / top, ignore=shutil.ignore_patterns("RECORD"))
+            else:
+                (dest / top).symlink_to(site / top)
+    return seen
+
+
+TRAIN = """
+import os
+import numpy as np
+import tfdist
+import keras
+
+strategy = tfdist.HorovodStrategy()
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 8)).astype("float32")
+y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+logs = model.fit(x, y, batch_size=64, epochs=5, verbose=0).history
+import horovod
+print(f"RESULT rank={strategy.rank} size={strategy.size} loss={logs['loss'][-1]:.4f} "
+      f"accuracy={logs['accuracy'][-1]:.3f} horovod={horovod.__file__} tfdist={tfdist.__file__}", flush=True)
+"""
+
+
+@pytest.mark.fresh_env
+@pytest.mark.multirank
+def test_fresh_environment_installs_horovod_and_trains(installed, tmp_path_factory):
+    """A pip user's path: the tfdist wheel into a new venv, `tfdist-install-horovod`, a 2-rank `tfdist-run`.
+
+    The venv is created outside the checkout. TensorFlow is not pip-installed into it:
+    tensorflow-cpu is about 600 MB, whose install alone would take this test's whole budget on
+    2 cores. Instead a .pth file adds a folder linking exactly tensorflow-cpu and what it requires
+    (its dependency closure, read from the installed metadata) from the project's environment:
+    not tfdist, Horovod, pytest or anything else there. pip installs the rest into the venv: the
+    tfdist wheel (--no-deps; numpy comes with TensorFlow), then `tfdist-install-horovod` installs
+    Horovod and its runtime dependencies from the wheel scripts/bootstrap.sh cached
+    (`--cache-only`: the test fails, rather than spending ten minutes, if it would build).
+    About a minute and a half on 2 cores.
+    """
+    from tfdist import install_horovod
+
+    wheel, _ = installed
+    plan = install_horovod.make_plan()
+    if install_horovod.cached_wheel(plan) is None:
+        pytest.skip(f"no cached Horovod wheel in {plan.wheel_dir}: run scripts/bootstrap.sh first")
+    base = tmp_path_factory.mktemp("fresh_env")
+    assert ROOT not in base.parents
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=180)
+    python, bin_dir = venv / "bin" / "python", venv / "bin"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TFDIST_STARTUP", "HOROVOD_", "OMPI_"))}
+    env.update(PATH=f"{bin_dir}:{env.get('PATH', '')}", VIRTUAL_ENV=str(venv), TF_CPP_MIN_LOG_LEVEL="2")
+
+    def run(*argv, timeout=300):
+        return subprocess.run([str(a) for a in argv], capture_output=True, text=True, cwd=base, env=env,
+                              timeout=timeout)
+
+    site = run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip()
+    linked = link_distributions("tensorflow-cpu", base / "tensorflow-only")
+    assert {"tensorflow-cpu", "keras", "numpy"} <= linked and not {"tfdist", "horovod"} & linked
+    (Path(site) / "tensorflow_only.pth").write_text(f"{base / 'tensorflow-only'}\n")
+    out = run(python, "-m", "pip", "install", "-q", "--no-deps", wheel)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    began = time.monotonic()
+    out = run(bin_dir / "tfdist-install-horovod", "--cache-only")
+    took = time.monotonic() - began
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"reusing the cached wheel {plan.wheel_dir}/" in out.stdout and "(no rebuild)" in out.stdout
+    installing = float(re.search(r"into \S+ in ([\d.]+)s", out.stdout).group(1))
+    assert installing < 90 and took < 180, out.stdout  # seconds: no build
+    assert "`horovodrun -cb` confirms TensorFlow, Gloo" in out.stdout and (bin_dir / "horovodrun").is_file()
+
+    (base / "train.py").write_text(TRAIN)
+    out = run(bin_dir / "tfdist-run", "-np", "2", "python", "train.py")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = dict(re.findall(r"RESULT rank=(\d) size=2 (.*)", out.stdout))
+    assert sorted(results) == ["0", "1"], out.stdout[-3000:]
+    for line in results.values():
+        fields = dict(item.split("=", 1) for item in line.split())
+        assert float(fields["accuracy"]) > 0.8 and float(fields["loss"]) < 0.5, line
+        assert fields["horovod"].startswith(str(venv)) and fields["tfdist"].startswith(str(venv)), line

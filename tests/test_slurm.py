@@ -1,7 +1,7 @@
 """Real Slurm: a private one-node cluster (tests/slurm_cluster.py) runs the sbatch templates.
 
-The cluster's daemons need root and Debian's slurm-wlm and munge (scripts/bootstrap.sh installs
-them); without them, or when the cluster does not come up, every test here skips with the reason
+The cluster's daemons need root and Debian's slurm-wlm and munge (scripts/bootstrap.sh --with-slurm
+installs them); without them, or when the cluster does not come up, every test here skips with the reason
 (and the daemons' logs). There is no slurmdbd, so job states come from `scontrol show job`.
 """
 

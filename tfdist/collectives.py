@@ -33,8 +33,10 @@ from tfdist import _compat
 from tfdist.errors import HorovodNotAvailableError, XlaNotSupportedError
 
 INSTALL_HINT = (
-    "Install it with the project's bootstrap, which builds Horovod 0.28.1 against the installed "
-    "TensorFlow: `bash scripts/bootstrap.sh` (see README.md, 'Install')."
+    "Install it into this environment with `tfdist-install-horovod` (builds Horovod 0.28.1 against "
+    "the installed TensorFlow once, then reuses the cached wheel; no root needed); in a tfdist "
+    "checkout, `bash scripts/bootstrap.sh` sets up .venv with everything (see README.md, "
+    "'Install into your own environment')."
 )
 
 # Reduction names accepted by allreduce(), mapped to Horovod op attributes.
@@ -218,8 +220,9 @@ def adasum_refusal(size=None):
     size = hvd.size() if size is None else size
     if not hvd.mpi_built():
         return ("op='adasum': Horovod's Adasum runs on its MPI controller, and this Horovod was "
-                "built with Gloo only. Install an MPI (e.g. Debian's libopenmpi-dev), rebuild with "
-                "scripts/bootstrap.sh and launch with `tfdist-run --launcher mpirun`; or use op='average'.")
+                "built with Gloo only. Install an MPI (e.g. Debian's libopenmpi-dev), run "
+                "`tfdist-install-horovod` again (it then builds with MPI) and launch with "
+                "`tfdist-run --launcher mpirun`; or use op='average'.")
     if size > 1 and not hvd.mpi_enabled():
         return ("op='adasum': Horovod's Adasum runs on its MPI controller, and this job runs on Gloo "
                 "(started by horovodrun --gloo, or srun without MPI). Launch with "
@@ -316,8 +319,8 @@ def signature(values, width=12):
 def xla_ops_available():
     """Whether this Horovod build has XLA kernels for its collectives.
 
-    tfdist's bootstrap builds Horovod without `xla_mpi_ops.cc` (it does not compile against
-    TF 2.21), so `jit_compile=True` cannot contain a Horovod collective.
+    tfdist's Horovod build (`tfdist-install-horovod`) leaves out `xla_mpi_ops.cc` (it does not
+    compile against TF 2.21), so `jit_compile=True` cannot contain a Horovod collective.
     """
     hvd_dir = os.path.dirname(horovod().__file__)
     for lib in glob.glob(os.path.join(hvd_dir, "tensorflow", "mpi_lib*.so")):

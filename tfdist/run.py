@@ -57,6 +57,19 @@ def _tool(name):
     return beside if os.access(beside, os.X_OK) else (shutil.which(name) or name)
 
 
+_INSTALL_HINTS = {  # what to do when a launcher is missing
+    "horovodrun": "Horovod is not installed in this environment: run `tfdist-install-horovod` "
+                  "(in a tfdist checkout: `bash scripts/bootstrap.sh`)",
+    "mpirun": "install an MPI (Debian: openmpi-bin libopenmpi-dev), then run `tfdist-install-horovod` again",
+}
+
+
+def not_found(tool):
+    """The error for a launcher that is neither next to this interpreter nor on the PATH."""
+    hint = _INSTALL_HINTS.get(os.path.basename(tool))
+    return f"{tool} not found next to {sys.executable} or on the PATH" + (f": {hint}" if hint else "")
+
+
 def build_command(launcher, command, np=None, hosts=None, extra=(), env=None, as_root=None):
     """The argv that launches `command` on `np` ranks with `launcher` (horovodrun, mpirun, srun).
 
@@ -138,7 +151,8 @@ def horovod_has_mpi():
 
 NO_MPI = ("this Horovod was built without MPI (`horovodrun -cb` lists no MPI), so mpirun would start "
           "processes that each train alone. Use the default launcher (horovodrun --gloo) or srun, or "
-          "install an MPI (e.g. libopenmpi-dev) and rebuild Horovod with scripts/bootstrap.sh.")
+          "install an MPI (e.g. libopenmpi-dev) and run `tfdist-install-horovod` again (it then builds "
+          "with MPI).")
 
 
 def main(argv=None):
@@ -200,8 +214,7 @@ def main(argv=None):
         print(shlex.join(argv_out))
         return 0
     if not os.path.isabs(argv_out[0]):
-        print(f"tfdist-run: error: {argv_out[0]} not found next to {sys.executable} or on the PATH",
-              file=sys.stderr)
+        print(f"tfdist-run: error: {not_found(argv_out[0])}", file=sys.stderr)
         return 2
     print(f"tfdist-run: {launcher}: {shlex.join(argv_out)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -251,7 +264,7 @@ def _supervise(args, launcher, command):
                     f.write("\n".join(srun_hostfile_lines(spec, np_now)) + "\n")
                 os.environ["SLURM_HOSTFILE"] = f.name
             if not os.path.isabs(argv_out[0]):
-                raise UsageError(f"{argv_out[0]} not found next to {sys.executable} or on the PATH")
+                raise UsageError(not_found(argv_out[0]))
             return argv_out
 
         if args.dry_run:

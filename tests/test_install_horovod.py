@@ -1,0 +1,138 @@
+"""tfdist-install-horovod's plan (cache names, MPI, GPU stack, sdist fix) and bootstrap's package choice.
+
+Fast: nothing here builds or installs. The install into a fresh environment, from the cached wheel,
+is tests/test_packaging.py::test_fresh_environment_installs_horovod_and_trains.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from tfdist import install_horovod as ih
+
+MODULE = ROOT / "tfdist" / "install_horovod.py"
+BOOTSTRAP = ROOT / "scripts" / "bootstrap.sh"
+PY = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+
+# Started before the module runs: imports of TensorFlow, Keras, Horovod or tfdist fail (and are recorded).
+HIDE = """
+import importlib.abc, importlib.machinery, sys
+tried = []
+class Hidden(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            return importlib.machinery.ModuleSpec(name, self)
+    def create_module(self, spec):
+        tried.append(spec.name)
+        raise ImportError(f"No module named {spec.name!r} (hidden by the test)")
+    def exec_module(self, module):
+        pass
+sys.meta_path.insert(0, Hidden())
+"""
+
+
+def plan(**kwargs):
+    kwargs = {"cache_root": "/c", "tf": ("tensorflow-cpu", "2.21.0"), "mpicxx": "", "gpu_stack": False, **kwargs}
+    return ih.make_plan(**kwargs)
+
+
+def test_cache_directories_are_bootstraps():
+    with_mpi = plan(mpicxx="/usr/bin/mpicxx")
+    assert with_mpi.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}-mpi"
+    assert with_mpi.features() == ["TensorFlow", "Gloo", "MPI"]
+    env = with_mpi.build_env(jobs=3)
+    assert env["HOROVOD_WITH_MPI"] == "1" and "HOROVOD_WITHOUT_MPI" not in env
+    assert env["CMAKE_POLICY_VERSION_MINIMUM"] == "3.5" and env["MAKEFLAGS"] == "-j3"
+    assert env["HOROVOD_WITH_TENSORFLOW"] == env["HOROVOD_WITH_GLOO"] == "1"
+    assert env["HOROVOD_WITHOUT_PYTORCH"] == env["HOROVOD_WITHOUT_MXNET"] == "1"
+
+    gloo_only = plan()
+    assert gloo_only.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}"
+    assert gloo_only.features() == ["TensorFlow", "Gloo"]
+    assert gloo_only.build_env(jobs=1)["HOROVOD_WITHOUT_MPI"] == "1"
+    assert any("Gloo only" in note for note in gloo_only.notes)
+    assert not plan(mpicxx="/usr/bin/mpicxx", mpi="no").mpi
+
+
+def test_mpi_yes_without_mpicxx_names_the_fix():
+    with pytest.raises(ih.InstallError, match="--mpi yes: no `mpicxx`.*libopenmpi-dev.*--with-mpi"):
+        plan(mpi="yes")
+
+
+def test_gpu_stack_is_noted_and_nccl_left_for_issue_22():
+    gpu = plan(gpu_stack=True, tf=("tensorflow", "2.21.0"))
+    assert gpu.gpu_stack and not gpu.nccl and "NCCL" not in gpu.features()
+    assert not gpu.wheel_dir.endswith("-nccl") and "HOROVOD_GPU_OPERATIONS" not in gpu.build_env(1)
+    assert any("issue 22" in note for note in gpu.notes)
+    assert not any("issue 22" in note for note in plan().notes)
+
+
+def test_missing_tensorflow_names_the_extra(monkeypatch):
+    monkeypatch.setattr(ih, "installed_version", lambda name: None)
+    with pytest.raises(ih.InstallError, match=r"TensorFlow is not installed.*\[cpu\]"):
+        ih.make_plan(cache_root="/c", mpicxx="")
+
+
+def test_sdist_fix_drops_xla_mpi_ops(tmp_path):
+    cmake = tmp_path / "horovod" / "tensorflow" / "CMakeLists.txt"
+    cmake.parent.mkdir(parents=True)
+    cmake.write_text("list(APPEND SOURCES\n    mpi_ops.cc\n    xla_mpi_ops.cc)\nadd_library(x)\n")
+    ih.patch_sdist(str(tmp_path))
+    assert cmake.read_text() == "list(APPEND SOURCES\n    mpi_ops.cc\nadd_library(x)\n"
+    with pytest.raises(ih.InstallError, match="does not list xla_mpi_ops.cc"):
+        ih.patch_sdist(str(tmp_path))
+
+
+def run_module(args, hidden=("tensorflow", "keras", "horovod", "tfdist"), env=None):
+    """The module run by path (as before tfdist is installed), with `hidden` packages unimportable."""
+    code = (f"HIDDEN = {tuple(hidden)!r}\n{HIDE}\nimport runpy\nsys.argv = [{str(MODULE)!r}, *{list(args)!r}]\n"
+            f"try:\n    runpy.run_path({str(MODULE)!r}, run_name='__main__')\n"
+            "except SystemExit as e:\n    print('EXIT', e.code, 'TRIED', tried)\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_runs_by_path_without_tensorflow_or_tfdist(tmp_path):
+    out = run_module(["--help"])
+    assert "EXIT 0 TRIED []" in out.stdout and "--cache-only" in out.stdout, out.stderr[-2000:]
+    out = run_module(["--dry-run"], env={"TFDIST_CACHE": str(tmp_path)})
+    assert "EXIT 0 TRIED []" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "TensorFlow 2.21.0" in out.stdout and f"would build a wheel into {tmp_path}/wheels/horovod-" in out.stdout
+    assert "CMAKE_POLICY_VERSION_MINIMUM=3.5" in out.stdout
+
+
+def test_cache_only_without_a_cached_wheel_fails_naming_the_folder(tmp_path):
+    out = run_module(["--cache-only"], env={"TFDIST_CACHE": str(tmp_path)})
+    assert "EXIT 1 TRIED []" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert f"tfdist-install-horovod: error: --cache-only: no cached wheel in {tmp_path}/wheels/" in out.stderr
+
+
+def test_errors_name_the_install_command():
+    from tfdist import collectives, run
+
+    assert "tfdist-install-horovod" in collectives.INSTALL_HINT and "bash scripts/bootstrap.sh" in collectives.INSTALL_HINT
+    assert "run `tfdist-install-horovod`" in run.not_found("/nowhere/horovodrun")
+
+
+def bootstrap(*args, **env):
+    return subprocess.run(["bash", str(BOOTSTRAP), *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TFDIST_SYSTEM_PACKAGES": "", **env})
+
+
+def test_bootstrap_installs_system_packages_only_when_asked():
+    out = bootstrap("--dry-run")
+    assert out.returncode == 0 and "asked by" not in out.stderr, out.stderr
+    out = bootstrap("--dry-run", "--with-mpi", TFDIST_SYSTEM_PACKAGES="slurm")
+    assert out.returncode == 0, out.stderr
+    for group, why in (("mpi", "--with-mpi"), ("slurm", "TFDIST_SYSTEM_PACKAGES")):
+        assert f"{group}: already installed (asked by {why})" in out.stderr or \
+            f"system packages for {group} (" in out.stderr and f"asked by {why}" in out.stderr, out.stderr
+    assert not [line for line in out.stderr.splitlines() if "browser" in line and "asked by" in line]
+    out = bootstrap("--dry-run", "--for-tests")
+    assert all(f"{g}" in out.stderr for g in ("mpi", "slurm", "browser", "net")), out.stderr
+    out = bootstrap("--dry-run", TFDIST_SYSTEM_PACKAGES="mpi,gpus")
+    assert out.returncode == 2 and "unknown system package group 'gpus'" in out.stderr
+    assert "--for-tests" in (ROOT / "scripts" / "run_tests.sh").read_text()

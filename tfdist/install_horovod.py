@@ -1,0 +1,339 @@
+"""`tfdist-install-horovod`: build Horovod 0.28.1 against this environment's TensorFlow and install it.
+
+```bash
+pip install '/path/to/tfdist[cpu]'        # tfdist and TensorFlow 2.21 (CPU)
+tfdist-install-horovod                    # Horovod into the same environment (no root)
+tfdist-install-horovod --dry-run          # what it would do
+python -m tfdist.install_horovod          # the same command
+python tfdist/install_horovod.py          # the same, before tfdist itself is installed
+```
+
+`pip install horovod==0.28.1` cannot build against TensorFlow 2.21. This command installs into
+the environment of the Python running it (`sys.executable`):
+
+1. It finds the installed TensorFlow (from `tfdist[cpu]` or `tfdist[gpu]`), builds with MPI as
+   well as Gloo where an MPI compiler (`mpicxx`) is on the PATH, and notes the GPU stack.
+2. It reuses the wheel cached in `$TFDIST_CACHE/wheels/horovod-0.28.1-tf<TF>-cp<py>[-mpi]/`
+   (default `~/.cache/tfdist`; scripts/bootstrap.sh uses the same cache), or builds one from the
+   PyPI sdist (once, about 10 minutes), with `--no-build-isolation` and two fixes:
+   `CMAKE_POLICY_VERSION_MINIMUM=3.5` (CMake 4 rejects the vendored Gloo otherwise) and without
+   `horovod/tensorflow/xla_mpi_ops.cc` (it does not compile against TF 2.21's XLA headers).
+3. It installs the wheel and Horovod's runtime dependencies with this Python's pip, then checks
+   that `horovodrun -cb` lists TensorFlow and Gloo (and MPI when built with it).
+
+Standard library only, and nothing from tfdist: it runs before tfdist or TensorFlow is importable.
+"""
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+from importlib import metadata
+
+PROG = "tfdist-install-horovod"
+HOROVOD_VERSION = "0.28.1"
+TF_DISTRIBUTIONS = ("tensorflow-cpu", "tensorflow")  # tfdist[cpu], tfdist[gpu]
+GPU_STACK_MARKER = "nvidia-nccl-cu12"  # installed by tensorflow[and-cuda] (tfdist[gpu])
+RUNTIME_REQUIREMENTS = ("cffi>=1.4.0", "cloudpickle", "psutil", "pyyaml", "packaging")
+BUILD_TOOLS = (("C++ compiler", ("g++", "c++")), ("cmake", ("cmake",)), ("make", ("make",)))
+# Notes this machine's extra local pip indexes print for every package: not worth showing.
+PIP_NOISE = "is ignored: it is neither a file nor a directory"
+
+
+class InstallError(Exception):
+    """What went wrong and what to do; printed as `tfdist-install-horovod: error: ...`."""
+
+
+def say(message):
+    print(f"{PROG}: {message}", flush=True)
+
+
+def default_cache():
+    return os.environ.get("TFDIST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tfdist")
+
+
+@dataclasses.dataclass
+class Plan:
+    """What to build and install: one cache directory per TF version, Python and feature set."""
+
+    tf_distribution: str
+    tf_version: str
+    python_tag: str
+    mpi: bool
+    mpicxx: str
+    gpu_stack: bool
+    nccl: bool
+    cache_root: str
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def wheel_dir(self):
+        features = ("-mpi" if self.mpi else "") + ("-nccl" if self.nccl else "")
+        return os.path.join(self.cache_root, "wheels",
+                            f"horovod-{HOROVOD_VERSION}-tf{self.tf_version}-{self.python_tag}{features}")
+
+    def features(self):
+        """What `horovodrun -cb` must list for this build."""
+        return ["TensorFlow", "Gloo"] + (["MPI"] if self.mpi else []) + (["NCCL"] if self.nccl else [])
+
+    def build_env(self, jobs):
+        """The variables Horovod's setup.py and CMake read for this build."""
+        env = {"CMAKE_POLICY_VERSION_MINIMUM": "3.5", "MAKEFLAGS": f"-j{jobs}",
+               "HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITH_GLOO": "1",
+               "HOROVOD_WITHOUT_PYTORCH": "1", "HOROVOD_WITHOUT_MXNET": "1",
+               ("HOROVOD_WITH_MPI" if self.mpi else "HOROVOD_WITHOUT_MPI"): "1"}
+        env.update(nccl_build_env(self))
+        return env
+
+
+def nccl_build_env(plan):
+    """Build variables for Horovod's NCCL operations (GPU allreduce); none until issue 22.
+
+    TODO(issue 22): return HOROVOD_GPU_OPERATIONS=NCCL, HOROVOD_NCCL_HOME (the nvidia-nccl-cu12
+    wheel's directory), HOROVOD_CUDA_HOME and the CUDA toolkit paths, and set `nccl` in
+    `make_plan` from `gpu_stack`; the cache directory then gets its `-nccl` suffix by itself.
+    """
+    if plan.nccl:
+        raise InstallError("NCCL builds are not implemented yet (issue 22); build without NCCL")
+    return {}
+
+
+def installed_version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None):
+    """Detect TensorFlow, MPI and the GPU stack in this environment (each overridable for tests)."""
+    notes = []
+    if tf is None:
+        found = [(name, installed_version(name)) for name in TF_DISTRIBUTIONS]
+        found = [(name, version) for name, version in found if version]
+        if not found:
+            raise InstallError(
+                f"TensorFlow is not installed for {sys.executable}. Install tfdist with its "
+                f"TensorFlow first: `pip install '<tfdist checkout or wheel>[cpu]'` ([gpu] for "
+                f"tensorflow[and-cuda]), then run `{PROG}` again.")
+        tf = found[0]
+    if not tf[1].startswith("2.21."):
+        notes.append(f"TensorFlow {tf[1]}: tfdist pins and tests 2.21; building against it anyway")
+    mpicxx = shutil.which("mpicxx") if mpicxx is None else mpicxx
+    if mpi == "yes" and not mpicxx:
+        raise InstallError(
+            "--mpi yes: no `mpicxx` on the PATH. Install an MPI with its compiler wrappers (Debian: "
+            "`apt-get install openmpi-bin libopenmpi-dev`; in a checkout `bash scripts/bootstrap.sh "
+            "--with-mpi`), or use --mpi auto to build with Gloo only.")
+    with_mpi = mpi == "yes" or (mpi == "auto" and bool(mpicxx))
+    if mpi == "auto" and not mpicxx:
+        notes.append("no `mpicxx` on the PATH: building with Gloo only (tfdist-run's default launcher "
+                     "needs no MPI; install Open MPI and run this again for mpirun jobs and Adasum)")
+    gpu_stack = installed_version(GPU_STACK_MARKER) is not None if gpu_stack is None else gpu_stack
+    nccl = False  # TODO(issue 22): nccl = gpu_stack, once nccl_build_env() sets the NCCL flags
+    if gpu_stack and not nccl:
+        notes.append("the GPU stack (tensorflow[and-cuda]) is installed, but Horovod's NCCL operations "
+                     "are not built yet (issue 22): GPU tensors are reduced by Gloo/MPI through host memory")
+    python_tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    return Plan(tf[0], tf[1], python_tag, with_mpi, mpicxx or "", gpu_stack, nccl,
+                cache_root or default_cache(), notes)
+
+
+def cached_wheel(plan):
+    wheels = sorted(glob.glob(os.path.join(plan.wheel_dir, f"horovod-{HOROVOD_VERSION}-*.whl")))
+    return wheels[-1] if wheels else None
+
+
+def pip(args, cwd=None, env=None):
+    """Run this interpreter's pip, streaming its errors minus the local-index noise."""
+    env = {**(os.environ if env is None else env), "PIP_ROOT_USER_ACTION": "ignore",
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    command = [sys.executable, "-m", "pip", *args]
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if PIP_NOISE not in line:
+            sys.stderr.write(line)
+    if proc.wait():
+        raise InstallError(f"`{' '.join(['pip', *args])}` failed (exit {proc.returncode}; its output is above)")
+
+
+def check_build_tools(plan):
+    missing = [what for what, names in BUILD_TOOLS if not any(shutil.which(n) for n in names)]
+    if missing:
+        raise InstallError(
+            f"building Horovod needs a C++ compiler, cmake and make; missing: {', '.join(missing)}. "
+            "Install them (Debian: `apt-get install g++ cmake make`; cmake also with `pip install "
+            f"cmake`), or copy a wheel built for the same TensorFlow and Python into {plan.wheel_dir}/.")
+
+
+def ensure_build_requirements():
+    """setuptools (<81, as bootstrap pins) and wheel: `--no-build-isolation` builds with these."""
+    setuptools = installed_version("setuptools")
+    want = []
+    if setuptools is None or int(setuptools.split(".")[0]) >= 81:
+        want.append("setuptools<81")
+    if installed_version("wheel") is None:
+        want.append("wheel")
+    if want:
+        say(f"installing the build requirements {' '.join(want)} (setuptools was {setuptools or 'missing'})")
+        pip(["install", "-q", *want])
+
+
+def patch_sdist(src):
+    """Leave xla_mpi_ops.cc out of the TensorFlow extension (it does not compile against TF 2.21)."""
+    path = os.path.join(src, "horovod", "tensorflow", "CMakeLists.txt")
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if "xla_mpi_ops.cc" not in line]
+    if len(kept) == len(lines):
+        raise InstallError(f"{path} does not list xla_mpi_ops.cc: not Horovod {HOROVOD_VERSION}'s sdist?")
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def build(plan, jobs):
+    """Build the patched wheel into plan.wheel_dir; returns its path."""
+    check_build_tools(plan)
+    ensure_build_requirements()
+    os.makedirs(os.path.dirname(plan.wheel_dir), exist_ok=True)
+    work = tempfile.mkdtemp(prefix="tfdist-horovod-")
+    out = tempfile.mkdtemp(prefix=os.path.basename(plan.wheel_dir) + ".tmp-", dir=os.path.dirname(plan.wheel_dir))
+    try:
+        pip(["download", "-q", "--no-deps", "--no-binary", ":all:", f"horovod=={HOROVOD_VERSION}", "-d", work])
+        (sdist,) = glob.glob(os.path.join(work, f"horovod-{HOROVOD_VERSION}.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(work, **kwargs)
+        src = os.path.join(work, f"horovod-{HOROVOD_VERSION}")
+        patch_sdist(src)
+        env = {**os.environ, **plan.build_env(jobs)}
+        pip(["wheel", "-q", "--no-build-isolation", "--no-deps", "-w", out, "."], cwd=src, env=env)
+        (wheel,) = glob.glob(os.path.join(out, "horovod-*.whl"))
+        os.makedirs(plan.wheel_dir, exist_ok=True)
+        target = os.path.join(plan.wheel_dir, os.path.basename(wheel))
+        os.replace(wheel, target)
+        return target
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def install(wheel):
+    pip(["install", "-q", "--no-deps", "--force-reinstall", wheel])
+    pip(["install", "-q", *RUNTIME_REQUIREMENTS])
+
+
+def find_script(name):
+    """An installed console script: this environment's scripts folder, the user's, then the PATH."""
+    folders = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
+    try:
+        folders.append(sysconfig.get_path("scripts", f"{os.name}_user"))
+    except KeyError:
+        pass
+    for folder in folders:
+        path = os.path.join(folder, name)
+        if os.access(path, os.X_OK):
+            return path
+    return shutil.which(name)
+
+
+def verify(plan):
+    """Check `horovodrun -cb` lists this build's features; returns what it lists."""
+    horovodrun = find_script("horovodrun")
+    if not horovodrun:
+        raise InstallError(f"horovodrun is not in {sysconfig.get_path('scripts')} after the install")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run([horovodrun, "-cb"], capture_output=True, text=True, env=env, timeout=900)
+    listed = re.findall(r"\[X\]\s+(\w+)", out.stdout)
+    missing = [feature for feature in plan.features() if feature not in listed]
+    if out.returncode or missing:
+        raise InstallError(
+            f"`{horovodrun} -cb` (exit {out.returncode}) does not list {', '.join(missing) or 'anything'}:\n"
+            f"{out.stdout}{out.stderr[-2000:]}\nRebuild with `{PROG} --rebuild`.")
+    return list(dict.fromkeys(listed))
+
+
+def describe(plan):
+    mpi = f"yes ({plan.mpicxx})" if plan.mpi else "no"
+    gpu = "tensorflow[and-cuda]" if plan.gpu_stack else "no"
+    return (f"TensorFlow {plan.tf_version} ({plan.tf_distribution}), Python {plan.python_tag}, "
+            f"MPI: {mpi}, GPU stack: {gpu}; target environment: {sys.prefix} ({sys.executable})")
+
+
+def run(args):
+    start = time.monotonic()
+    plan = make_plan(args.cache, args.mpi)
+    say(describe(plan))
+    for note in plan.notes:
+        say(f"note: {note}")
+    wheel = None if args.rebuild else cached_wheel(plan)
+    if args.dry_run:
+        action = f"reuse the cached wheel {wheel}" if wheel else f"build a wheel into {plan.wheel_dir}/"
+        say(f"would {action}, install it, and check that horovodrun -cb lists {', '.join(plan.features())}")
+        if not wheel:
+            say("build settings: " + " ".join(f"{k}={v}" for k, v in plan.build_env(args.jobs).items()))
+        return 0
+    if wheel:
+        say(f"reusing the cached wheel {wheel} (no rebuild)")
+        source = "the cached wheel"
+    elif args.cache_only:
+        raise InstallError(f"--cache-only: no cached wheel in {plan.wheel_dir}/; run `{PROG}` without "
+                           "--cache-only to build one (about 10 minutes, once)")
+    else:
+        say(f"no cached wheel in {plan.wheel_dir}/: building Horovod {HOROVOD_VERSION} from its sdist "
+            "(once; about 10 minutes on 2 cores)")
+        began = time.monotonic()
+        wheel = build(plan, args.jobs)
+        say(f"built {wheel} in {time.monotonic() - began:.0f}s")
+        source = "a new build"
+    began = time.monotonic()
+    install(wheel)
+    say(f"installed {os.path.basename(wheel)} into {sys.prefix} in {time.monotonic() - began:.1f}s")
+    checked = ""
+    if not args.no_verify:
+        verify(plan)
+        checked = f"; `horovodrun -cb` confirms {', '.join(plan.features())}"
+    say(f"done in {time.monotonic() - start:.0f}s: Horovod {HOROVOD_VERSION} with {', '.join(plan.features())} "
+        f"from {source}{checked}. Try: tfdist-run -np 2 python train.py")
+    return 0
+
+
+def main(argv=None):
+    startup = sys.modules.get("tfdist.startup")  # `python -m tfdist.install_horovod` imported tfdist
+    if startup is not None:
+        startup.undo()  # no per-rank tuning or core pinning for the compiler and pip
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1],
+        epilog="The wheel cache is shared with scripts/bootstrap.sh; see README.md, "
+               "'Install into your own environment'.")
+    parser.add_argument("--cache", metavar="DIR", default=None,
+                        help="cache folder (default: $TFDIST_CACHE or ~/.cache/tfdist); wheels go in DIR/wheels")
+    parser.add_argument("--mpi", choices=("auto", "yes", "no"), default="auto",
+                        help="build with MPI too: auto (where mpicxx is on the PATH), yes (required), no")
+    parser.add_argument("--rebuild", action="store_true", help="build even if a cached wheel exists")
+    parser.add_argument("--cache-only", action="store_true",
+                        help="never build: fail unless a cached wheel exists")
+    parser.add_argument("--no-verify", action="store_true", help="skip the `horovodrun -cb` check")
+    parser.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    parser.add_argument("-j", "--jobs", type=int, default=cpus, help="parallel compile jobs (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.rebuild and args.cache_only:
+        parser.error("--rebuild and --cache-only contradict each other")
+    try:
+        return run(args)
+    except InstallError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
