@@ -16,6 +16,10 @@
 #   tests    --for-tests     all four
 # Without root (or apt), bootstrap says what it skipped and carries on.
 #
+# The TensorFlow stack: the GPU one (tensorflow[and-cuda]: CUDA 12 and NCCL wheels; Horovod is then
+# built with NCCL too, docs/GPU.md) where `nvidia-smi -L` lists a GPU or TFDIST_GPU=1; otherwise,
+# or with TFDIST_GPU=0, the CPU one (tensorflow-cpu). CI has no GPU: it gets the CPU stack.
+#
 # Horovod is built and installed by tfdist/install_horovod.py (`tfdist-install-horovod`, the
 # command pip users run), which caches the wheel in $TFDIST_CACHE (default ~/.cache/tfdist).
 set -euo pipefail
@@ -69,6 +73,25 @@ use_of() {
     net) echo "network-namespace hosts: launch test, emulated links" ;;
   esac
 }
+# 0 (yes) for the GPU stack: TFDIST_GPU=1, or unset and nvidia-smi lists a GPU.
+gpu_stack() {
+  case ${TFDIST_GPU:-} in
+    1) return 0 ;;
+    0) return 1 ;;
+    "") command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU ' ;;
+    *) die "TFDIST_GPU=$TFDIST_GPU: expected 1 (GPU stack), 0 (CPU stack) or unset (GPU stack if nvidia-smi lists a GPU)" ;;
+  esac
+}
+stack_reason() {
+  case ${TFDIST_GPU:-} in
+    1) echo "GPU (tensorflow[and-cuda], Horovod with NCCL): TFDIST_GPU=1" ;;
+    0) echo "CPU (tensorflow-cpu): TFDIST_GPU=0" ;;
+    *) if gpu_stack; then echo "GPU (tensorflow[and-cuda], Horovod with NCCL): nvidia-smi lists a GPU"
+       else echo "CPU (tensorflow-cpu): no GPU listed by nvidia-smi (TFDIST_GPU=1 to insist)"; fi ;;
+  esac
+}
+STACK=cpu
+gpu_stack && STACK=gpu
 present() {
   case $1 in
     mpi) command -v mpicxx >/dev/null ;;
@@ -90,7 +113,7 @@ want() {
   local mpi=gloo-only
   command -v mpicxx >/dev/null && mpi=mpi
   local sources=("$ROOT/setup.cfg" "$0" "$ROOT/tfdist/install_horovod.py")
-  echo "tf=$TF_VERSION hvd=$HOROVOD_VERSION $mpi $(cat "${sources[@]}" | sha1sum | cut -c1-12)"
+  echo "tf=$TF_VERSION-$STACK hvd=$HOROVOD_VERSION $mpi $(cat "${sources[@]}" | sha1sum | cut -c1-12)"
 }
 asked_before=$( [ -f "$STAMP" ] && sed -n 2p "$STAMP" || true)
 new_asks=()
@@ -120,6 +143,7 @@ for g in "${GROUPS_ALL[@]}"; do
   fi
 done
 if [ "$DRY_RUN" = 1 ]; then
+  log "TensorFlow stack: $(stack_reason)"
   for g in "${GROUPS_ALL[@]}"; do
     if [ -n "${ASKED[$g]:-}" ] && present "$g"; then log "$g: already installed (asked by ${ASKED[$g]})"; fi
   done
@@ -156,13 +180,19 @@ fi
 PY=$VENV/bin/python
 pip_quiet install -q --upgrade pip wheel 'setuptools<81' packaging
 
-log "installing tensorflow-cpu $TF_VERSION, tf-keras, test tools"
-pip_quiet install -q "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" tensorboard \
+log "TensorFlow stack: $(stack_reason)"
+if [ "$STACK" = gpu ]; then TF_REQ="tensorflow[and-cuda]==$TF_VERSION"; TF_OTHER=tensorflow-cpu; HVD_GPU=yes
+else TF_REQ="tensorflow-cpu==$TF_VERSION"; TF_OTHER=tensorflow; HVD_GPU=no; fi
+# Both distributions install the same `tensorflow` package: drop the other stack's first.
+if "$PY" -m pip show -q "$TF_OTHER" >/dev/null 2>&1; then pip_quiet uninstall -y -q "$TF_OTHER"; fi
+log "installing $TF_REQ, tf-keras, test tools"
+pip_quiet install -q "$TF_REQ" "tf-keras==$TF_VERSION" tensorboard \
   numpy pytest scikit-learn matplotlib cloudpickle psutil pyyaml "tensorboard-plugin-profile==2.24.2"
 pip_quiet install -q --no-deps -e "$ROOT"
 
 # Horovod: the cached wheel, else built once (the same code as `tfdist-install-horovod`).
-"$PY" -m tfdist.install_horovod
+# (--gpu: NCCL with the GPU stack, never with the CPU one, even where CUDA wheels are left over.)
+"$PY" -m tfdist.install_horovod --gpu "$HVD_GPU"
 asked_now=$(printf '%s\n' $asked_before "${!ASKED[@]}" | sort -u | tr '\n' ' ')
 printf '%s\n%s\n' "$(want)" "${asked_now% }" > "$STAMP"
 log "ready: $VENV"

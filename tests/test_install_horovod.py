@@ -62,12 +62,61 @@ def test_mpi_yes_without_mpicxx_names_the_fix():
         plan(mpi="yes")
 
 
-def test_gpu_stack_is_noted_and_nccl_left_for_issue_22():
-    gpu = plan(gpu_stack=True, tf=("tensorflow", "2.21.0"))
-    assert gpu.gpu_stack and not gpu.nccl and "NCCL" not in gpu.features()
-    assert not gpu.wheel_dir.endswith("-nccl") and "HOROVOD_GPU_OPERATIONS" not in gpu.build_env(1)
-    assert any("issue 22" in note for note in gpu.notes)
-    assert not any("issue 22" in note for note in plan().notes)
+def test_gpu_stack_builds_nccl_cached_apart():
+    gpu = plan(gpu_stack=True, tf=("tensorflow", "2.21.0"), mpicxx="/usr/bin/mpicxx")
+    assert gpu.nccl and gpu.features() == ["TensorFlow", "Gloo", "MPI", "NCCL"]
+    assert gpu.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}-mpi-nccl"
+    env = gpu.build_env(2)
+    assert env["HOROVOD_GPU_OPERATIONS"] == "NCCL" and env["HOROVOD_NCCL_LINK"] == "SHARED"
+    assert env["HOROVOD_CUDA_HOME"] == gpu.toolkit_dir and env["HOROVOD_NCCL_HOME"] == gpu.toolkit_dir + "/nccl"
+    assert env["HOROVOD_WITH_MPI"] == "1" and env["HOROVOD_BUILD_CUDA_CC_LIST"] == "75,80,90"
+    cpu = plan()
+    assert not cpu.nccl and "HOROVOD_GPU_OPERATIONS" not in cpu.build_env(1) and not cpu.wheel_dir.endswith("-nccl")
+    off = plan(gpu_stack=True, gpu="no")
+    assert not off.nccl and any("--gpu no" in note for note in off.notes)
+    with pytest.raises(ih.InstallError, match="--gpu yes: nvidia-nccl-cu12 is not installed.*and-cuda"):
+        plan(gpu="yes")
+
+
+def test_cuda_toolkit_is_assembled_from_the_wheels(tmp_path):
+    cu13, nccl = tmp_path / "cu13", tmp_path / "nccl"
+    for path in ("bin/nvcc", "bin/nvcc.profile", "bin/crt/link.stub", "lib/libcudart.so.13",
+                 "lib/libcudart_static.a", "include/cuda_runtime.h", "nvvm/bin/cicc"):
+        (cu13 / path).parent.mkdir(parents=True, exist_ok=True)
+        (cu13 / path).write_text(path)
+    for path in ("include/nccl.h", "lib/libnccl.so.2"):
+        (nccl / path).parent.mkdir(parents=True, exist_ok=True)
+        (nccl / path).write_text(path)
+    dest = tmp_path / "toolkit"
+    ih.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))
+    assert (dest / "bin").is_dir() and not (dest / "bin").is_symlink()  # nvcc resolves bin/.. to dest
+    assert (dest / "bin" / "nvcc").read_text() == "bin/nvcc" and (dest / "nvvm" / "bin" / "cicc").exists()
+    assert (dest / "lib64" / "libcudart_static.a").exists() and os.readlink(dest / "lib64" / "libcudart.so") == "libcudart.so.13"
+    assert (dest / "include" / "cuda_runtime.h").exists() and (dest / "nccl" / "include" / "nccl.h").exists()
+    assert os.path.realpath(dest / "nccl" / "lib" / "libnccl.so") == str(nccl / "lib" / "libnccl.so.2")
+    ih.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))  # again: replaced, not nested
+    (nccl / "lib" / "libnccl.so.2").unlink()
+    with pytest.raises(ih.InstallError, match="libnccl.so.2 is missing"):
+        ih.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))
+
+
+def test_gpu_sources_fix_as_gpu_stream_value(tmp_path):
+    ops = tmp_path / "horovod" / "tensorflow" / "mpi_ops.cc"
+    ops.parent.mkdir(parents=True)
+    ops.write_text("#if HAVE_GPU\n" + ih.AS_GPU_STREAM_DECLARATION + "#endif\n")
+    ih.patch_gpu_sources(str(tmp_path))
+    assert "platform_specific_handle().stream" in ops.read_text() and "GpuStreamHandle AsGpuStreamValue(Stream* stream);" not in ops.read_text()
+    with pytest.raises(ih.InstallError, match="does not declare AsGpuStreamValue"):
+        ih.patch_gpu_sources(str(tmp_path))
+
+
+def test_bootstrap_chooses_the_stack():
+    for value, stack in (("1", "GPU (tensorflow[and-cuda], Horovod with NCCL): TFDIST_GPU=1"),
+                         ("0", "CPU (tensorflow-cpu): TFDIST_GPU=0")):
+        out = bootstrap("--dry-run", TFDIST_GPU=value)
+        assert out.returncode == 0 and f"TensorFlow stack: {stack}" in out.stderr, out.stderr
+    out = bootstrap("--dry-run", TFDIST_GPU="yes")
+    assert out.returncode == 2 and "TFDIST_GPU=yes: expected 1" in out.stderr
 
 
 def test_missing_tensorflow_names_the_extra(monkeypatch):

