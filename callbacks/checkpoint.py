@@ -302,8 +302,9 @@ class Checkpointer(Callback):
                 value = collectives.broadcast(tf.constant(value), 0, name=f"tfdist.ckpt.{i}")
             variable.assign(value)
         _compat.set_resume_epoch(self.model, choice["epoch"])
-        log.warning("tfdist checkpoint: rank %d resumed from %s (optimizer step %s); continuing at epoch %d",
-                    rank, choice["path"], choice.get("step"), choice["epoch"])
+        if rank == 0:  # every rank holds the same state now: one line for the job
+            log.warning("tfdist checkpoint: resumed %d rank(s) from %s (optimizer step %s); continuing at epoch %d",
+                        size, choice["path"], choice.get("step"), choice["epoch"])
 
     def on_epoch_end(self, epoch, logs=None):
         done = epoch + 1
@@ -312,7 +313,8 @@ class Checkpointer(Callback):
         loss = (logs or {}).get("loss")
         if loss is not None and not np.all(np.isfinite(loss)):
             # e.g. StopOnNonFiniteLoss ended the epoch: keep the last good checkpoint the latest
-            log.warning("tfdist checkpoint: epoch %d ended with loss %s; not saved", done, loss)
+            if self._rank_size[0] == 0:  # the loss is global: the same on every rank
+                log.warning("tfdist checkpoint: epoch %d ended with loss %s; not saved", done, loss)
             return
         if self._rank_size[0] == 0:
             self.save(done)

@@ -79,15 +79,15 @@ def validate(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="tfdist-data", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tfdist-data", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="image folder (class sub-folders) or .npz -> TFRecord shards + manifest")
+    c = sub.add_parser("convert", allow_abbrev=False, help="image folder (class sub-folders) or .npz -> TFRecord shards + manifest")
     c.add_argument("source")
     c.add_argument("out")
     c.add_argument("--shard-mb", type=float, default=100.0, help="target shard size (MB)")
     c.add_argument("--min-shards", type=int, default=1, help="at least this many shards (>= reader hosts)")
     c.add_argument("--prefix", default="data")
-    v = sub.add_parser("validate", help="read every record of a dataset and name the bad ones")
+    v = sub.add_parser("validate", allow_abbrev=False, help="read every record of a dataset and name the bad ones")
     v.add_argument("source")
     v.add_argument("--checksum", action="store_true", help="also compare each shard's SHA-256")
     args = parser.parse_args(argv)

@@ -223,7 +223,7 @@ def _plan_readable(manifest, plan, pipelines, pipeline_id, batch_size, parse_blo
     log.info("%s%d of %d records in this share are readable (%d skipped every epoch); "
              "steps_per_epoch=%d (batch %d, smallest readable share %d)",
              who, good, plan.records, sum(bad), steps, batch_size, min(goods))
-    if steps == 0:
+    if steps == 0 and _horovod_ranks()[0] == 0:  # the same count on every rank: the chief says it
         log.warning("%sno training steps: the smallest readable share holds %d records, fewer than "
                     "one batch of %d", who, min(goods), batch_size)
     return dataclasses.replace(plan, steps_per_epoch=steps, good_records=good,

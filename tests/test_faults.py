@@ -359,3 +359,62 @@ def test_error_summary_keeps_the_type_and_the_last_meaningful_line():
     assert long.startswith("RuntimeError: head") and long.endswith(" tail"), long
     assert " ... " in long and len(long) <= LINE_CHARS
     assert describe_exception(KeyboardInterrupt, KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
+# --- tfdist-run's last line for a failed job (tfdist/job_summary.py) --------------------------
+
+def test_failed_job_ends_naming_the_rank_that_raised(tmp_path):
+    """Under tfdist-run the last line names rank 1, which raised, not rank 0, which the watchdog
+    stopped and which horovodrun reports as the first process to exit."""
+    env = _job_env()
+    env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.run([str(BIN / "tfdist-run"), "-np", "2", "python", str(WATCHDOG_WORKER), "--mode", "raise",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=EXIT_LIMIT_S + 240)
+    last = proc.stderr.strip().splitlines()[-1]
+    print(f"\nexit status {proc.returncode}; last line: {last}")
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert last.startswith(f"tfdist-run: job failed (exit status {proc.returncode}): rank 1 (host {HOST}) "
+                           f"failed: ValueError: {LAST_LINE}"), proc.stderr[-3000:]
+    assert "rank 0" not in last
+    # rank 1's own traceback came through whole (its stderr passes tfdist.stderr_filter)
+    rank1 = "\n".join(l.split(":", 1)[1] for l in proc.stderr.splitlines() if l.startswith("[1]<stderr>:"))
+    assert "Traceback (most recent call last):" in rank1 and f"ValueError: {FIRST_LINE}\n{LAST_LINE}" in rank1, rank1
+
+
+def test_unit_job_summary_names_the_first_failure_not_the_survivor():
+    from tfdist import watchdog
+    from tfdist.job_summary import STOPPED_CODE, describe, last_words
+
+    assert STOPPED_CODE == watchdog.EXIT_CODE
+    hosts = lambda rank: ["n1", "n2"][rank]  # noqa: E731
+    horovodrun_stopped_rank0 = ["Process name: 0", "Exit code: 3"]
+    traceback = ["[1]<stderr>:Traceback (most recent call last):", '[1]<stderr>:  File "train.py", line 3',
+                 "[1]<stderr>:\x1b[1mValueError: bad label 11\x1b[0m"]
+    verdict = ("[0]<stderr>:tfdist watchdog: rank 1 (host n2, pid 7) failed: ValueError: bad label 11. "
+               "Stopping every rank with exit code 3 so that no rank waits forever in a collective.")
+    # 1. the watchdog's line wins over horovodrun's report of the survivor
+    assert describe(1, [*traceback, verdict, *horovodrun_stopped_rank0], hosts) == \
+        "rank 1 (host n2) failed: ValueError: bad label 11"
+    # 2. no watchdog line (lost, or watchdog off): the rank that printed a traceback, not the one stopped
+    assert describe(1, [*traceback, *horovodrun_stopped_rank0], hosts) == \
+        "rank 1 (host n2) failed: ValueError: bad label 11"
+    # the launcher's report of a rank that really failed, with that rank's last words
+    assert describe(1, [*traceback, "Process name: 1", "Exit code: 1"], hosts) == \
+        "rank 1 (host n2) exited with code 1: ValueError: bad label 11"
+    assert describe(1, ["Process name: 1", "Exit code: 137"], hosts) == \
+        "rank 1 (host n2) was killed by SIGKILL (exit code 137)"
+    usage = ["[0]<stderr>:usage: train.py [-h] --data DATA",
+             "[0]<stderr>:train.py: error: the following arguments are required: --data", "Process name: 0",
+             "Exit code: 2"]
+    assert describe(1, usage, hosts).endswith("exited with code 2: train.py: error: the following arguments "
+                                              "are required: --data")
+    assert describe(1, horovodrun_stopped_rank0, hosts).startswith("rank 0 (host n1) exited with code 3: the "
+                                                                   "watchdog's code for a rank stopped")
+    assert describe(1, []) == "the job exited with code 1 (launcher exit status)"
+    # several verdicts (rank 0 relayed rank 1's failure, then a survivor lost rank 0): the first
+    lost = "[2]<stderr>:tfdist watchdog: rank 0 (host n1, pid 5) died: its connection closed. Stopping rank 2"
+    assert describe(1, [verdict, lost, *horovodrun_stopped_rank0], hosts).startswith("rank 1 (host n2) failed")
+    # interleaved output keeps each rank's order; indented traceback lines are not last words
+    assert list(last_words(["[1]<stderr>:KeyboardInterrupt", "[0]<stderr>:  raise OSError: x",
+                            "[0]<stderr>:OSError: y"])) == [1, 0]

@@ -14,8 +14,9 @@ import pytest
 
 from conftest import ROOT, flavor_env
 
-METRICS, PREDICT, CALLBACKS, PRECISION = (
-    "global metrics", "predict gathers rows", "chief-only callback writes", "rank-consistent loss scaling")
+METRICS, PREDICT, CALLBACKS, PRECISION, QUIET = (
+    "global metrics", "predict gathers rows", "chief-only callback writes", "rank-consistent loss scaling",
+    "chief-only progress bars")
 
 # Run in the child: BREAK (may be empty), then HorovodStrategy(); prints one JSON line.
 CHILD = """
@@ -40,6 +41,7 @@ hooks = {{
     "keras3.BackupAndRestore.on_train_end": keras.callbacks.BackupAndRestore.on_train_end,
     "keras3.TensorBoard.set_model": keras.callbacks.TensorBoard.set_model,
     "keras3.LossScaleOptimizer.check_finite": keras.mixed_precision.LossScaleOptimizer.check_finite,
+    "keras3.fit": keras.Model.fit, "keras3.evaluate": keras.Model.evaluate, "keras3.predict": keras.Model.predict,
 }}
 if _compat.tf_keras_in_use():
     import tf_keras
@@ -48,6 +50,8 @@ if _compat.tf_keras_in_use():
         "tf_keras.test_step": tf_keras.Model.test_step,
         "tf_keras.predict_step": tf_keras.Model.predict_step,
         "tf_keras.BackupAndRestore.on_train_begin": tf_keras.callbacks.BackupAndRestore.on_train_begin,
+        "tf_keras.fit": tf_keras.Model.fit, "tf_keras.evaluate": tf_keras.Model.evaluate,
+        "tf_keras.predict": tf_keras.Model.predict,
     }})
 print("RESULT " + json.dumps({{"hooks": {{k: _compat.hook_of(v) for k, v in hooks.items()}},
                                 "keras_module": keras_module().__name__}}))
@@ -72,12 +76,14 @@ KERAS3_HOOKS = {
     "keras3.BackupAndRestore.on_train_end": CALLBACKS,
     "keras3.TensorBoard.set_model": CALLBACKS,
     "keras3.LossScaleOptimizer.check_finite": PRECISION,
+    "keras3.fit": QUIET, "keras3.evaluate": QUIET, "keras3.predict": QUIET,
 }
 TF_KERAS_HOOKS = {
     "tf_keras.get_metrics_result": METRICS,
     "tf_keras.test_step": METRICS,
     "tf_keras.predict_step": PREDICT,
     "tf_keras.BackupAndRestore.on_train_begin": CALLBACKS,
+    "tf_keras.fit": QUIET, "tf_keras.evaluate": QUIET, "tf_keras.predict": QUIET,
 }
 
 
@@ -113,6 +119,9 @@ BROKEN = [
      METRICS, "tf_keras "),
     ("tf_keras predict_step gone", "tf_keras",
      "import tf_keras\ndel tf_keras.Model.predict_step", PREDICT, "tf_keras 2."),
+    ("predict without verbose", "keras3",
+     "from keras.src.backend.tensorflow.trainer import TensorFlowTrainer\n"
+     "TensorFlowTrainer.predict = lambda self, x, batch_size=None: None", QUIET, "keras "),
 ]
 
 

@@ -347,6 +347,7 @@ def test_tfdist_run_builds_each_launchers_command(monkeypatch):
 
 def tfdist_run(*args, timeout=JOB_TIMEOUT, env=None):
     job_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **(env or {})}
+    job_env = {k: v for k, v in job_env.items() if v is not None}  # env={"X": None} removes X
     job_env.pop("SLURM_JOB_ID", None)
     proc = subprocess.Popen([str(BIN / "tfdist-run"), *map(str, args)], cwd=ROOT, env=job_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -402,6 +403,90 @@ def test_tfdist_run_launches_a_real_two_rank_job(tmp_path, reference):
     # the exit status of the job is passed through
     code, _, _ = tfdist_run("-np", 2, "python", "-c", "import sys; sys.exit(3)")
     assert code != 0
+
+
+def test_tfdist_run_refuses_a_missing_script_or_program_at_once(tmp_path):
+    host = socket.gethostname()
+    for command, named in ((["python", "missing.py"], "script 'missing.py' does not exist in "),
+                           (["python", "-u", "-W", "ignore", "missing.py", "--epochs", "2"], "script 'missing.py'"),
+                           (["no_such_program", "--flag"], "program 'no_such_program' is not on the PATH"),
+                           ([str(tmp_path / "nothing.sh")], f"program '{tmp_path / 'nothing.sh'}' does not exist")):
+        start = time.monotonic()
+        code, out, err = tfdist_run("-np", 2, *command)
+        seconds = time.monotonic() - start
+        print(f"\n{' '.join(command)}: refused in {seconds:.2f} s: {err.strip()}")
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith("tfdist-run: error: ") and named in err and f"(host {host})" in err, err
+        assert "no rank was started" in err and "horovodrun" not in err, err
+        assert seconds < 5, seconds  # measured: 0.3 s (no launcher, no TensorFlow)
+    # -c and -m run no script file; hosts elsewhere may hold what this one lacks: a warning only
+    assert run.script_of([sys.executable, "-c", "print(1)"]) is None
+    assert run.script_of([sys.executable, "-m", "pkg.mod", "x.py"]) is None
+    assert not run.local_only("horovodrun", "elsewhere:2") and run.local_only("horovodrun", f"{host}:2")
+    assert not run.local_only("srun", None) and run.local_only("mpirun", None, env={})
+    run.check_command(["python", "missing.py"], local=False)  # no exception
+    # there, each rank's `python -m tfdist --` names what it cannot run (127, as a shell)
+    done = subprocess.run([sys.executable, "-m", "tfdist", "--", "no_such_program"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "HOROVOD_RANK": "1"}, timeout=60)
+    assert done.returncode == 127 and done.stderr.startswith(
+        f"tfdist: rank 1 (host {host}): cannot run 'no_such_program': No such file or directory"), done.stderr
+
+
+def test_tfdist_run_rejects_abbreviated_options():
+    code, out, err = tfdist_run("--max-restart", 1, "-np", 2, "python", "train.py")
+    assert code == 2 and out == "" and "unrecognized arguments: --max-restart" in err, err
+    # options after the command are the command's
+    code, out, _ = tfdist_run("--dry-run", "-np", 2, "python", "train.py", "--max-restart", 1)
+    assert code == 0 and out.strip().endswith("train.py --max-restart 1"), out
+
+
+# What TensorFlow's C++ code logs at start-up: absl's and TF's own line formats, and the
+# continuation of the CPU-instructions notice.
+TF_CPP_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] "
+                         r"|WARNING: All log messages before absl::InitializeLog|To enable the following instructions)")
+
+
+def rank_lines(text, rank, stream):
+    """The lines rank `rank` wrote to `stream`, horovodrun's tag removed (also where lines were interleaved)."""
+    tag = f"[{rank}]<{stream}>:"
+    return [line.split(tag, 1)[1] for line in text.splitlines() if tag in line]
+
+
+VERBOSITY = ROOT / "tests" / "multirank" / "verbosity_checks.py"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("flavor", ["keras3", "tf_keras"])
+def test_only_the_chief_prints_progress_and_start_up_lines(tmp_path, flavor):
+    """At Keras' default verbosity one progress bar (rank 0's); no TensorFlow C++ start-up line and
+    no Keras warning from rank 1. `verbose=1` passed on every rank (Keras 3) and
+    TFDIST_QUIET_RANKS=0 (tf-keras) bring rank 1's output back."""
+    env = {"TF_CPP_MIN_LOG_LEVEL": None, "TF_USE_LEGACY_KERAS": "1" if flavor == "tf_keras" else "0"}
+    code, out, err = tfdist_run("-np", 2, "python", VERBOSITY, "--out", tmp_path / "default", env=env)
+    assert code == 0, _tail(out + err)
+    text = out + err
+    assert rank_lines(text, 1, "stdout") == [], rank_lines(text, 1, "stdout")
+    assert sum("Epoch 1/2" in line for line in rank_lines(text, 0, "stdout")) == 1, _tail(out)
+    assert sum("Epoch 1/2" in line for line in text.splitlines()) == 1, _tail(out)
+    rank1_tf = [line for line in rank_lines(text, 1, "stderr") if TF_CPP_LINE.match(line)]
+    rank0_tf = [line for line in rank_lines(text, 0, "stderr") if TF_CPP_LINE.match(line)]
+    print(f"\n{flavor}: {len(text.splitlines())} lines; TensorFlow C++ start-up lines: rank 0 {len(rank0_tf)}, "
+          f"rank 1 {len(rank1_tf)}")
+    assert rank1_tf == [], rank1_tf
+    assert not [line for line in rank_lines(text, 1, "stderr") if "will be ignored" in line]
+    if flavor == "keras3":  # Keras 3 warns that shuffle=True is ignored for a tf.data dataset: once
+        assert sum("will be ignored" in line for line in rank_lines(text, 0, "stderr")) == 1, _tail(err)
+    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in (tmp_path / "default").glob("rank*.json")}
+    assert ranks[0]["tf_cpp_min_log_level"] is None and ranks[1]["tf_cpp_min_log_level"] in ("2", "3")
+
+    extra = (["--verbose", 1], {}) if flavor == "keras3" else ([], {"TFDIST_QUIET_RANKS": "0"})
+    code, out, err = tfdist_run("-np", 2, "python", VERBOSITY, "--out", tmp_path / "loud", *extra[0],
+                                env={**env, **extra[1]})
+    assert code == 0, _tail(out + err)
+    text = out + err
+    assert text.count("Epoch 1/2") == 2 and rank_lines(text, 1, "stdout"), _tail(out)  # one bar per rank
+    rank1_tf = [line for line in rank_lines(text, 1, "stderr") if TF_CPP_LINE.match(line)]
+    assert bool(rank1_tf) == bool(extra[1] and rank0_tf), rank1_tf  # TFDIST_QUIET_RANKS=0: as rank 0
 
 
 # ---------------------------------------------------------------- sbatch templates

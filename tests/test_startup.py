@@ -17,7 +17,7 @@ TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), "PATH": str(BIN)
 def python(code, env=None, timeout=180):
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("TFDIST_", "TF_NUM_", "TF_ENABLE_ONEDNN", "HOROVOD_"))}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                          env={**clean, **TF_ENV, **(env or {})})
+                          env={k: v for k, v in {**clean, **TF_ENV, **(env or {})}.items() if v is not None})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 
@@ -33,6 +33,24 @@ def test_local_layout_from_each_launcher():
     assert startup.local_layout({"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2"}) == (0, 1)
     assert startup.externally_bound({"SLURM_CPU_BIND_TYPE": "mask_cpu:"}) and not startup.externally_bound({})
     assert not startup.externally_bound({"SLURM_CPU_BIND_TYPE": "none"})
+
+
+def test_ranks_other_than_0_quiet_tensorflow_start_up_log():
+    assert startup.launcher_rank({}) is None and startup.launcher_rank({"SLURM_PROCID": "3"}) == 3
+    assert startup.launcher_rank({"HOROVOD_RANK": "1", "SLURM_PROCID": "0"}) == 1  # horovodrun inside a step
+    level = "2" if os.path.exists("/proc/driver/nvidia/version") else "3"
+    for env in ({"HOROVOD_RANK": "1"}, {"OMPI_COMM_WORLD_RANK": "2"}, {"PMI_RANK": "1"}, {"SLURM_PROCID": "5"}):
+        assert startup.quiet_log_level(env) == level, env
+    for env in ({}, {"HOROVOD_RANK": "0"}, {"HOROVOD_RANK": "1", "TFDIST_QUIET_RANKS": "0"}):
+        assert startup.quiet_log_level(env) is None, env
+    # applied before TensorFlow loads, unless the user set it; undo() takes it back
+    code = ("import os\nimport tfdist\nfrom tfdist import startup\n"
+            "print('LEVEL', os.environ.get('TF_CPP_MIN_LOG_LEVEL'), 'TF_CPP_MIN_LOG_LEVEL' in startup.state()['kept'])\n"
+            "startup.undo()\nprint('UNDONE', os.environ.get('TF_CPP_MIN_LOG_LEVEL'))\n")
+    out = python(code, env={"HOROVOD_RANK": "1", "TF_CPP_MIN_LOG_LEVEL": None}).stdout
+    assert f"LEVEL {level} False" in out and "UNDONE None" in out, out
+    out = python(code, env={"HOROVOD_RANK": "1", "TF_CPP_MIN_LOG_LEVEL": "1"}).stdout
+    assert "LEVEL 1 True" in out and "UNDONE 1" in out, out
 
 
 @pytest.mark.parametrize("onednn", [False, True])

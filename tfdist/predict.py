@@ -106,7 +106,7 @@ def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="tfdist-predict", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tfdist-predict", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--compute_ms", type=float, required=True, help="one rank's measured step (ms)")
     parser.add_argument("--gradient_mb", type=float, required=True, help="gradient bytes per step, in MB (10^6)")
     parser.add_argument("--backward_fraction", type=float, default=2 / 3)

@@ -240,7 +240,8 @@ def print_ops(paths, top=15, steps=None, out=sys.stdout):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="tfdist-profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tfdist-profile", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
     parser.add_argument("profiles", nargs="+", help="profile log dirs (rank<R>/ under each) or .xplane.pb files")
     parser.add_argument("--view", choices=("auto", "steps", "ops"), default="auto",
                         help="steps: per-rank step breakdown; ops: op types side by side "

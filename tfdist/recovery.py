@@ -16,7 +16,6 @@ its newest `callbacks.Checkpointer` checkpoint, which reports each save to the f
 No TensorFlow here: the launcher starts in milliseconds.
 """
 
-import collections
 import dataclasses
 import json
 import os
@@ -27,14 +26,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 
 from tfdist.errors import TfdistError
+from tfdist.launcher_output import TAIL_LINES, launcher_noise, run_once  # noqa: F401  (re-exported)
 
 RESTART_ENV = "TFDIST_RESTART"
 CAUSE_ENV = "TFDIST_RESTART_CAUSE"
 PROGRESS_ENV = "TFDIST_PROGRESS_FILE"
-TAIL_LINES = 400
 
 # Errors that a relaunch would meet again at the same point: not worth a restart.
 DETERMINISTIC = ("SyntaxError", "ModuleNotFoundError", "ImportError", "RankMismatchError",
@@ -133,7 +131,7 @@ def analyse(returncode, lines, host_of_rank=None):
     """
     rank = host = code = what = None
     for line in lines:
-        if m := _WATCHDOG.search(line):
+        if rank is None and (m := _WATCHDOG.search(line)):  # the first verdict: later ones may be echoes
             rank, host, what = int(m[1]), m[2], m[3]
     exit_rank = None
     for i, line in enumerate(lines):  # horovodrun: the first process to exit with non-zero status
@@ -309,48 +307,6 @@ def _host_of_rank(rank, hosts, argv):
     return None if os.path.basename(argv[0]) == "srun" else socket.gethostname()
 
 
-def run_once(argv, env, tail_lines=TAIL_LINES):
-    """Run `argv`, copying its stdout and stderr through; (exit status, its last output lines).
-
-    SIGTERM/SIGINT/SIGHUP sent to tfdist-run go to the launcher too (it stops its ranks); the
-    caller then does not relaunch. Ctrl-C at a terminal reaches both already.
-    """
-    tail = collections.deque(maxlen=tail_lines)
-    lock = threading.Lock()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    stopped = []
-
-    def forward(signum, frame):
-        stopped.append(signum)
-        try:
-            proc.send_signal(signum)
-        except OSError:
-            pass
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-
-    def pump(source, sink):
-        for raw in iter(source.readline, b""):
-            sink.write(raw)
-            sink.flush()
-            with lock:
-                tail.append(raw.decode(errors="replace").rstrip("\n"))
-
-    threads = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer), daemon=True),
-               threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
-    for t in threads:
-        t.start()
-    try:
-        code = proc.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    for t in threads:  # a rank the launcher left behind may hold the pipe: do not wait for it
-        t.join(timeout=10)
-    with lock:
-        return code, list(tail), (stopped[0] if stopped else None)
-
-
 def supervise(make_argv, np_, hosts, *, max_restarts, min_np=None, discovery_script=None,
               slurm_slots=None, global_batch=None, env=None, log=None):
     """Launch, and relaunch after failures as `decide` allows; tfdist-run's exit status.
@@ -396,7 +352,7 @@ def _loop(make_argv, np_, hosts, max_restarts, min_np, discovery_script, slurm_s
         job_env = {**base_env, RESTART_ENV: str(restart), PROGRESS_ENV: progress_file}
         if cause:
             job_env[CAUSE_ENV] = cause
-        code, tail, stopped = run_once(argv, job_env)
+        code, tail, stopped = run_once(argv, job_env, keep=launcher_noise(argv))
         if code == 0:
             if restart:
                 log(f"job finished after {restart} restart(s) on {np_now} rank(s)")

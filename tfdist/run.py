@@ -16,12 +16,19 @@ counts and oneDNN are set per rank before the command's Python (and TensorFlow) 
 `srun` on the PATH), else horovodrun. A leading `python`/`python3` becomes this interpreter
 (`sys.executable`), so the ranks run in the environment tfdist is installed in. The launched
 command is printed first (stderr), and its exit status is tfdist-run's.
+
+Before launching, a missing script (`python missing.py`) or program is refused, naming it, when
+every rank runs on this host (`check_command`). tfdist-run stays the launcher's parent: a failed
+job ends with one line naming the first rank that failed, its host and the cause
+(`tfdist.job_summary`).
 """
 
 import argparse
 import os
+import re
 import shlex
 import shutil
+import socket
 import sys
 
 from tfdist.errors import TfdistError
@@ -42,6 +49,67 @@ def parse_hosts(hosts):
             raise UsageError(f"-H {hosts!r}: expected host[:slots],host[:slots],... at {item!r}")
         parsed.append((name, int(slots or 1)))
     return parsed
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
+
+
+def script_of(command):
+    """The script of `python [options] script.py ...`; None for -c, -m, stdin or another program."""
+    if not command or not _PYTHON.match(os.path.basename(command[0])):
+        return None
+    args = iter(command[1:])
+    for arg in args:
+        if arg == "--":
+            return next(args, None)
+        if arg == "-" or arg in ("--help", "--version", "-h", "-V"):
+            return None
+        if not arg.startswith("-"):
+            return arg
+        if arg == "--check-hash-based-pycs":
+            next(args, None)
+            continue
+        for i, flag in enumerate(arg[1:]):  # short options, possibly combined: -uB, -Wignore, -X dev
+            if flag in "cm":
+                return None
+            if flag in "WX":
+                if i == len(arg) - 2:
+                    next(args, None)
+                break
+    return None
+
+
+def local_only(launcher, hosts, env=None):
+    """Whether every rank runs on this host (so a file missing here is missing for them too)."""
+    env = os.environ if env is None else env
+    if launcher == "srun" or (launcher == "mpirun" and not hosts and any(env.get(v) for v in ALLOCATION_VARIABLES)):
+        return False
+    here = {"localhost", "127.0.0.1", socket.gethostname(), socket.gethostname().split(".")[0]}
+    return not hosts or all(name in here for name, _ in parse_hosts(hosts))
+
+
+def check_command(command, local=True):
+    """Refuse (`UsageError`) a command whose program or Python script does not exist here.
+
+    Done when every rank runs on this host (`local`); otherwise the same finding is a warning,
+    since the ranks' hosts may hold what this one lacks."""
+    if not command:
+        return
+    program, problem = command[0], None
+    if "/" in program and not (os.path.isfile(program) and os.access(program, os.X_OK)):
+        problem = f"program {program!r} does not exist or is not executable"
+    elif "/" not in program and shutil.which(program) is None:
+        problem = f"program {program!r} is not on the PATH"
+    elif (script := script_of(command)) is not None and not os.path.isfile(script):
+        problem = f"script {script!r} does not exist in {os.getcwd()}"
+    if problem is None:
+        return
+    if not local:
+        print(f"tfdist-run: warning: {problem} on this host ({socket.gethostname()}); the ranks' "
+              "hosts must have it", file=sys.stderr)
+        return
+    raise UsageError(f"{problem} (host {socket.gethostname()}); no rank was started. Fix the "
+                     "command (spelling, path, or the directory you run tfdist-run from).")
 
 
 def resolve_launcher(launcher, env=None):
@@ -157,7 +225,7 @@ NO_MPI = ("this Horovod was built without MPI (`horovodrun -cb` lists no MPI), s
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="tfdist-run", description="Launch a tfdist training script on several ranks.",
+        prog="tfdist-run", description="Launch a tfdist training script on several ranks.", allow_abbrev=False,
         usage="tfdist-run [-np N] [-H host:slots,...] [--launcher auto|horovodrun|mpirun|srun] "
               "[--max-restarts N [--min-np K] [--host-discovery-script PATH] [--global-batch B]] "
               "[--dry-run] command [args ...]")
@@ -186,12 +254,13 @@ def main(argv=None):
     command = list(args.command)
     if command and command[0] in ("python", "python3"):
         command[0] = sys.executable
+    user_command = command
     if command and not args.no_tuning:
         command = [sys.executable, "-m", "tfdist", "--", *command]
     try:
         launcher = resolve_launcher(args.launcher)
         if supervised:
-            return _supervise(args, launcher, command)
+            return _supervise(args, launcher, command, user_command)
         argv_out = build_command(launcher, command, args.np, args.hosts,
                                  shlex.split(args.launcher_args))
         hostfile = None
@@ -216,12 +285,21 @@ def main(argv=None):
     if not os.path.isabs(argv_out[0]):
         print(f"tfdist-run: error: {not_found(argv_out[0])}", file=sys.stderr)
         return 2
+    try:
+        check_command(user_command, local_only(launcher, args.hosts))
+    except UsageError as e:
+        print(f"tfdist-run: error: {e}", file=sys.stderr)
+        return 2
     print(f"tfdist-run: {launcher}: {shlex.join(argv_out)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os.execv(argv_out[0], argv_out)  # the launcher's exit status becomes ours
+    from tfdist import job_summary, recovery
+
+    hosts = parse_hosts(args.hosts) if args.hosts else None
+    # The launcher's exit status becomes ours; a failure ends with one line naming its cause.
+    return job_summary.run(argv_out, lambda rank: recovery._host_of_rank(rank, hosts, argv_out))
 
 
-def _supervise(args, launcher, command):
+def _supervise(args, launcher, command, user_command):
     """tfdist-run as the launcher's parent: relaunch after failures (`tfdist.recovery`)."""
     from tfdist import recovery
 
@@ -273,6 +351,7 @@ def _supervise(args, launcher, command):
             print(f"tfdist-run: supervised: up to {args.max_restarts} restart(s), "
                   f"at least {args.min_np or np_} rank(s)", file=sys.stderr)
             return 0
+        check_command(user_command, local_only(launcher, args.hosts) and not args.host_discovery_script)
         sys.stdout.flush()
         return recovery.supervise(make_argv, np_, hosts, max_restarts=args.max_restarts,
                                   min_np=args.min_np, discovery_script=args.host_discovery_script,

@@ -17,6 +17,11 @@ print(tfdist.startup.state()) # what was set, by which route, and what the user 
 
 The local rank and rank count come from the launcher's environment (horovodrun, Open MPI,
 MPICH/Intel MPI, an srun step). This module never imports TensorFlow: `tfdist-run` stays fast.
+
+Ranks other than 0 also get `TF_CPP_MIN_LOG_LEVEL` (`quiet_log_level`) unless it is set already,
+and under `python -m tfdist --` a filter that applies that level (or yours) to the start-up lines
+that escape it (`tfdist.stderr_filter`): TensorFlow's C++ start-up lines come once, from rank 0.
+`TFDIST_QUIET_RANKS=0` leaves every rank as TensorFlow has it (see `tfdist.quiet_ranks`).
 """
 
 import json
@@ -25,6 +30,9 @@ import sys
 
 STATE_VARIABLE = "TFDIST_STARTUP"
 SWITCH_VARIABLE = "TFDIST_TUNING"  # "0"/"off": no early settings (HorovodStrategy(tuning=...) still runs)
+QUIET_VARIABLE = "TFDIST_QUIET_RANKS"  # "0"/"off": ranks other than 0 print as rank 0 does
+# The global rank as each launcher sets it: horovodrun, Open MPI, PMIx, MPICH/Intel MPI, srun.
+_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 _LAYOUT_VARIABLES = (
     ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
     ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -33,8 +41,37 @@ _LAYOUT_VARIABLES = (
 
 
 def enabled(env=None):
+    return _switch(SWITCH_VARIABLE, env)
+
+
+def _switch(name, env=None):
     env = os.environ if env is None else env
-    return env.get(SWITCH_VARIABLE, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def quiet_ranks(env=None):
+    """Whether ranks other than 0 stay quiet (`TFDIST_QUIET_RANKS`, on unless "0"/"off")."""
+    return _switch(QUIET_VARIABLE, env)
+
+
+def launcher_rank(env=None):
+    """This process's global rank as its launcher set it; None outside a launched job."""
+    env = os.environ if env is None else env
+    for name in _RANK_VARIABLES:
+        if env.get(name, "").strip().isdigit():
+            return int(env[name])
+    return None
+
+
+def quiet_log_level(env=None):
+    """`TF_CPP_MIN_LOG_LEVEL` for this rank, or None (rank 0, one process, or turned off).
+
+    "2" (no INFO or WARNING lines) where an NVIDIA driver is loaded, so GPU errors still show;
+    "3" on a host without one, where TensorFlow's only start-up error is the failed `cuInit`.
+    """
+    if not launcher_rank(env) or not quiet_ranks(env):
+        return None
+    return "2" if os.path.exists("/proc/driver/nvidia/version") else "3"
 
 
 def local_layout(env=None):
@@ -92,7 +129,8 @@ def apply_early(route):
     allowed = node_cpus()
     plan, choice = tuning.plan_for_rank(local_rank, local_size, with_tf=False)
     done, kept, previous = {}, {}, {}
-    for key, value in plan.env.items():
+    quiet = {"TF_CPP_MIN_LOG_LEVEL": quiet_log_level()} if quiet_log_level() else {}
+    for key, value in {**plan.env, **quiet}.items():
         if key in os.environ and key not in inherited:
             kept[key] = os.environ[key]  # the user's own setting wins
             continue
@@ -150,7 +188,23 @@ def main(argv=None):
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     sys.stdout.flush()
-    os.execvp(argv[0], argv)
+    if launcher_rank() and quiet_ranks() and os.environ.get("TF_CPP_MIN_LOG_LEVEL"):
+        from tfdist import stderr_filter
+
+        # The level (quiet_log_level's, or the user's) also for the start-up lines that escape it.
+        stderr_filter.start(os.environ["TF_CPP_MIN_LOG_LEVEL"])
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:  # e.g. a program that is not on this host's PATH
+        import socket
+
+        rank = launcher_rank()
+        who = f"rank {rank} (host {socket.gethostname()})" if rank is not None else f"host {socket.gethostname()}"
+        fix = ("install it on every host, or give its full path" if isinstance(e, FileNotFoundError)
+               else "make it an executable file (chmod +x), or run it through its interpreter")
+        print(f"tfdist: {who}: cannot run {argv[0]!r}: {e.strerror}{'' if '/' in argv[0] else ' (not on the PATH)'}. "
+              f"Fix: {fix}.", file=sys.stderr, flush=True)
+        return 127
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import tempfile
 import tensorflow as tf
 
 from tfdist import _compat, chief_saves, collectives, consistency, gradient_exchange, input_contract, keras_callbacks
-from tfdist import keras_metrics, keras_predict, rank_variables
+from tfdist import keras_metrics, keras_predict, quiet_ranks, rank_variables
 from tfdist import watchdog as watchdog_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
@@ -141,6 +141,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         keras_predict.install()
         keras_callbacks.install()
         chief_saves.install()
+        quiet_ranks.install()  # only the chief prints Keras' progress bars and warnings
         if fused_batchnorm and not legacy_requested():
             from tfdist import keras_fused_batchnorm
 
@@ -289,7 +290,7 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         # first batch where the size is known only at run time, as in Keras' array datasets).
         watched = input_contract.warn_uneven_global_batch(dataset, size, self._noted_uneven)
         policy = dataset.options().experimental_distribute.auto_shard_policy
-        if (not self._noted_presharded and policy != tf.data.experimental.AutoShardPolicy.OFF
+        if (not self._noted_presharded and collectives.rank() == 0 and policy != tf.data.experimental.AutoShardPolicy.OFF
                 and input_contract.is_sharded(dataset)):
             self._noted_presharded = True
             log.warning(

@@ -143,7 +143,7 @@ def model_signature(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="tfdist-tune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tfdist-tune", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default="resnet50",
                         help="a tfdist-benchmark model name, or module:function(image_size, num_classes) "
                              "returning an uncompiled Keras model")

@@ -66,8 +66,7 @@ def main():
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
-    verbose = 2 if strategy.is_chief else 0
-    model.fit(x_train, y_train, batch_size=global_batch, epochs=args.epochs, verbose=verbose)
+    model.fit(x_train, y_train, batch_size=global_batch, epochs=args.epochs)  # progress: from rank 0 only
     result = model.evaluate(x_test, y_test, batch_size=128, verbose=0, return_dict=True)
     if strategy.is_chief:
         print(f"test accuracy: {result['accuracy']:.4f} (loss {result['loss']:.4f}) "

@@ -30,7 +30,7 @@ import time
 from tfdist import startup
 from tfdist.benchmark.models import MODELS, build_model
 
-PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
 PARSER.add_argument("--model", default="resnet50",
                     help=f"one of {', '.join(MODELS)}, or module:function(image_size, num_classes) returning "
                          "an uncompiled Keras model")

@@ -44,7 +44,7 @@ def run_one(mode, ranks, global_batch, extra, out_json):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=["none", "tfdist", "horovod"],
                         help="--variable_update values, optionally with a Keras flavour (tfdist:tf_keras) "

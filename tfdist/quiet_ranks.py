@@ -1,0 +1,88 @@
+"""One voice: under a multi-rank `HorovodStrategy` only the chief (rank 0) prints Keras' progress.
+
+Every rank runs the same `fit`, so at Keras' default verbosity every rank would print the same
+progress bar, and launchers interleave them (`[1]<stdout>:[0]<stdout>:...`). Installed by
+`HorovodStrategy()`, this makes ranks other than 0 run `fit`, `evaluate` and `predict` with
+`verbose=0` when the call leaves `verbose` at Keras' default ("auto", or not given), on Keras 3 and
+tf-keras. The chief's output is Keras' own, and the logs it prints are global
+(`tfdist.keras_metrics`). A `verbose=` passed explicitly is obeyed on every rank:
+
+```python
+model.fit(ds, epochs=3)                 # rank 0 prints the progress bar; the others print nothing
+model.fit(ds, epochs=3, verbose=1)      # every rank prints its bar
+```
+
+The same ranks also ignore Keras' Python `UserWarning`s (e.g. "`shuffle=True` was passed, but
+will be ignored ..."): every rank runs the same code and would print the same warning.
+
+`TFDIST_QUIET_RANKS=0` turns all of this off (and keeps TensorFlow's C++ start-up log on every
+rank, which `tfdist.startup` otherwise quiets on ranks other than 0). Models under other
+strategies, and one-process jobs, are untouched.
+"""
+
+import functools
+import inspect
+import warnings
+
+from tfdist import _compat, collectives, startup
+
+HOOK = "chief-only progress bars"
+METHODS = ("fit", "evaluate", "predict")
+# Keras' warnings, by the module they are attributed to (Keras' own code, not the user's).
+KERAS_WARNING_MODULES = r"(keras|tf_keras)(\.|$)"
+
+_installed = set()
+_filtered = []
+
+
+def install():
+    """Wrap `fit`/`evaluate`/`predict` of Keras 3 and (if used) tf-keras models; on ranks other
+    than 0, ignore Keras' UserWarnings. Raises `KerasHookError` (naming the Keras version) if a
+    method moved."""
+    _patch(_compat.keras3_trainer_class(HOOK), "keras3")
+    if _compat.tf_keras_in_use():
+        _patch(_compat.tf_keras_model_class(HOOK), "tf_keras")
+    if not _filtered and quieted():
+        warnings.filterwarnings("ignore", category=UserWarning, module=KERAS_WARNING_MODULES)
+        _filtered.append(True)
+
+
+def quieted():
+    """Whether this process is a rank other than 0 of a multi-rank job, and quiet ranks are on."""
+    return startup.quiet_ranks() and collectives.size() > 1 and collectives.rank() != 0
+
+
+def _patch(model_class, flavour):
+    if model_class in _installed:
+        return
+    _compat.require_methods(model_class, METHODS, HOOK, flavour)  # all checked before any is patched
+    for name in METHODS:
+        if "verbose" not in inspect.signature(getattr(model_class, name)).parameters:
+            raise _compat.hook_error(HOOK, f"{model_class.__name__}.{name}() takes no verbose argument", flavour)
+    for name in METHODS:
+        _compat.patch_method(model_class, name, _chief_only_progress, HOOK, flavour)
+    _installed.add(model_class)
+
+
+def _chief_only_progress(method):
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        if not _quiet_model(self):
+            return method(self, *args, **kwargs)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return method(self, *args, **kwargs)  # Keras' own error for the wrong arguments
+        if bound.arguments.get("verbose", "auto") == "auto":
+            bound.arguments["verbose"] = 0
+        return method(*bound.args, **bound.kwargs)
+
+    return wrapped
+
+
+def _quiet_model(model):
+    from tfdist.strategy import multi_rank_strategy_of
+
+    return multi_rank_strategy_of(model) is not None and quieted()
