@@ -463,7 +463,7 @@ def main(argv=None):
     startup = sys.modules.get("tfdist.startup")  # `python -m tfdist.install_horovod` imported tfdist
     if startup is not None:
         startup.undo()  # no per-rank tuning or core pinning for the compiler and pip
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1],
         epilog="The wheel cache is shared with scripts/bootstrap.sh; see README.md, "
                "'Install into your own environment'.")
