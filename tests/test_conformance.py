@@ -35,7 +35,7 @@ pytestmark = pytest.mark.multirank
 
 JOBS = ("horovod-keras3", "horovod-tf_keras", "mwms-tf_keras")
 HOROVOD_JOBS = ("horovod-keras3", "horovod-tf_keras")
-TIMEOUT = 300
+TIMEOUT = 600  # a 2-rank job runs its scenarios in about a minute; a busy 2-core machine can take several
 _cache = {}
 
 
