@@ -3,6 +3,7 @@
     tfdist-data convert /data/imagenet/train /scratch/imagenet-train --shard-mb 100 --min-shards 64
     tfdist-data convert digits.npz /scratch/digits --min-shards 8
     tfdist-data validate /scratch/digits
+    tfdist-data validate '/scratch/other/*.tfrecord'      # TFRecord files without a manifest
 """
 
 import argparse
@@ -56,8 +57,16 @@ def validate(args):
     from tfdist.pipelines import manifest as manifest_lib
     from tfdist.pipelines.reader import explain_record, read_dataset
 
-    manifest = manifest_lib.load(args.source)
-    bad = 0
+    try:
+        manifest, unreadable = _dataset_manifest(manifest_lib, args.source)
+    except (manifest_lib.ManifestError, FileNotFoundError) as e:
+        print(f"tfdist-data validate: {e}", file=sys.stderr)
+        return 2
+    if args.checksum and not all(s.sha256 for s in manifest.shards):
+        print("note: --checksum: files without a manifest have no SHA-256 to compare; reading every record")
+    for path, why in unreadable.items():
+        print(f"BAD  {path}: {why}")
+    bad = len(unreadable)
     for shard in manifest.shards:
         path = manifest.path(shard)
         if os.path.getsize(path) != shard.bytes or (args.checksum and shard.sha256 and manifest_lib.sha256_of(path) != shard.sha256):
@@ -74,8 +83,57 @@ def validate(args):
             bad += 1
         else:
             print(f"ok   {path}: {read} records")
-    print(f"{len(manifest.shards) - bad} of {len(manifest.shards)} shards ok")
+    total = len(manifest.shards) + len(unreadable)
+    print(f"{total - bad} of {total} shards ok")
     return 1 if bad else 0
+
+
+def _dataset_manifest(manifest_lib, source):
+    """(manifest, {file: why unreadable}) as `read_dataset` takes `source`: directory, manifest file or glob."""
+    if any(ch in source for ch in "*?["):
+        return _glob_manifest(manifest_lib, source)
+    if os.path.isdir(source) and not os.path.exists(os.path.join(source, manifest_lib.FILENAME)):
+        raise manifest_lib.ManifestError(
+            f"{source} has no {manifest_lib.FILENAME}: write the dataset with `tfdist-data convert`, or "
+            f"validate its TFRecord files by a quoted glob, e.g. '{os.path.join(source, '*.tfrecord')}'")
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"{source} does not exist: give a dataset directory, its manifest.json, "
+                                "or a quoted glob of TFRecord files")
+    return manifest_lib.load(source), {}
+
+
+def _glob_manifest(manifest_lib, pattern):
+    """TFRecord files without a manifest, as the reader's `from_files` sees them, one file at a time.
+
+    Records are counted per file, so a file that cannot be read to its end is reported (with the
+    records before the damage) instead of ending the check; the features come from the first
+    readable file holding records, as the reader infers them.
+    """
+    import glob
+
+    import tensorflow as tf
+
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"no TFRecord files match {pattern}")
+    if len({os.path.dirname(os.path.abspath(p)) for p in files}) != 1:
+        raise manifest_lib.ManifestError(f"files matching {pattern} must share one directory")
+    shards, unreadable = [], {}
+    for path in files:
+        try:
+            count = int(tf.data.TFRecordDataset(path).reduce(0, lambda n, _: n + 1))
+        except tf.errors.DataLossError as e:
+            good = int(tf.data.TFRecordDataset(path).ignore_errors().reduce(0, lambda n, _: n + 1))
+            unreadable[path] = f"records from {good} on cannot be read (corrupt or truncated): {e.message}"
+            continue
+        shards.append(manifest_lib.Shard(os.path.basename(path), count, os.path.getsize(path), ""))
+    with_records = [s for s in shards if s.records]
+    if not with_records:
+        raise manifest_lib.ManifestError(f"no readable records in the files matching {pattern} to infer the "
+                                         f"features from{': ' + '; '.join(unreadable.values()) if unreadable else ''}")
+    directory = os.path.dirname(os.path.abspath(files[0]))
+    first = manifest_lib.from_files(glob.escape(os.path.join(directory, with_records[0].file)))
+    return manifest_lib.Manifest(directory, first.features, tuple(shards)), unreadable
 
 
 def main(argv=None):
@@ -88,7 +146,7 @@ def main(argv=None):
     c.add_argument("--min-shards", type=int, default=1, help="at least this many shards (>= reader hosts)")
     c.add_argument("--prefix", default="data")
     v = sub.add_parser("validate", allow_abbrev=False, help="read every record of a dataset and name the bad ones")
-    v.add_argument("source")
+    v.add_argument("source", help="dataset directory, its manifest.json, or a quoted glob of TFRecord files")
     v.add_argument("--checksum", action="store_true", help="also compare each shard's SHA-256")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -2,7 +2,7 @@
 
     python scripts/make_digits_dataset.py /tmp/digits
     horovodrun -np 2 --gloo tfdist-benchmark --model mnist_cnn --image_size 32 --num_classes 10 \\
-        --data_dir /tmp/digits/train --eval_dir /tmp/digits/test --epochs 20 --target_accuracy 0.9
+        --data_dir /tmp/digits/train --eval_dir /tmp/digits/test --epochs 30 --target_accuracy 0.9
 
 Real data with no download, for accuracy and time-to-accuracy runs of tfdist-benchmark: 1,797
 digits, split 80/20 (stratified, fixed seed), each upscaled to 32x32 RGB and stored as PNG bytes with

@@ -25,6 +25,30 @@ def script(name, args, np=None):
     return out.stdout
 
 
+def script_exit_delay(name, args, np, last_line):
+    """script() that also returns the seconds from printing `last_line` to the job's exit."""
+    import threading
+    import time
+
+    command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", sys.executable, str(ROOT / "scripts" / name),
+               *map(str, args)]
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    timer = threading.Timer(300, proc.kill)
+    timer.start()
+    lines, printed = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        if last_line in line:
+            printed = time.monotonic()
+    proc.wait()
+    ended = time.monotonic()
+    timer.cancel()
+    out = "".join(lines)
+    assert proc.returncode == 0 and printed is not None, out[-3000:]
+    return out, ended - printed
+
+
 @pytest.mark.parametrize("mode,np", [("none", None), ("tfdist", 2), ("horovod", 2), ("mwms", 2)])
 def test_benchmark_modes_report_like_tf_cnn_benchmarks(tmp_path, mode, np):
     result = tmp_path / "r.json"
@@ -44,14 +68,20 @@ def test_benchmark_modes_report_like_tf_cnn_benchmarks(tmp_path, mode, np):
         assert data["early_settings"] is None and "TensorFlow defaults" in data["tuning"]
 
 
-def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path):
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])  # tf-keras failed: no validation step count
+def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path, flavour):
     script("make_digits_dataset.py", [tmp_path / "digits", "--size", "16"])
     result = tmp_path / "acc.json"
-    out = script("benchmark.py", ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10",
-                                  "--batch_size", "32", "--data_dir", tmp_path / "digits" / "train",
-                                  "--eval_dir", tmp_path / "digits" / "test", "--epochs", "3",
-                                  "--target_accuracy", "0.2", "--display_every", "10", "--json", result], np=2)
+    out, exit_delay = script_exit_delay(
+        "benchmark.py", ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10",
+                         "--batch_size", "32", "--data_dir", tmp_path / "digits" / "train",
+                         "--eval_dir", tmp_path / "digits" / "test", "--epochs", "3",
+                         "--target_accuracy", "0.2", "--display_every", "10", "--json", result,
+                         "--keras", flavour],
+        np=2, last_line="final test accuracy:")
     assert "final test accuracy:" in out and "epoch 1: test accuracy" in out
+    # the job ends promptly after its results (it lingered 19-22 s releasing tf.data iterators)
+    assert exit_delay < 8, f"exited {exit_delay:.1f} s after its results"
     data = json.loads(result.read_text())
     epochs = data["epochs"]
     assert 1 <= len(epochs) <= 3 and data["final_test_accuracy"] == epochs[-1]["test_accuracy"]
@@ -99,3 +129,29 @@ def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
     assert len(rows) == 6 and rows[-1][0].strip() == "all ops"  # 5 op types, then the total
     assert any("Conv2D" in row[0] for row in rows[:-1])  # the CNN's convolutions are among the top
     assert all(row[1] == row[2] for row in rows)  # same profile twice: same numbers side by side
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--num_batches", "-3"], "argument --num_batches: -3 is not a positive integer"),
+    (["--batch_size", "0"], "argument --batch_size: 0 is not a positive integer"),
+    (["--learning_rate", "-0.1"], "argument --learning_rate: -0.1 is not positive"),
+    (["--target_accuracy", "90"], "argument --target_accuracy: 90 is not in (0, 1]"),
+    (["--model", "resnet5O"], "unknown model 'resnet5O': did you mean 'resnet50'? known models: resnet50, "
+                              "resnet50_v1.5, mnist_cnn, trivial; or give your own as module:function"),
+    (["--model", "vgg16"], "unknown model 'vgg16': known models: resnet50,"),
+])
+def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
+    code = ("import sys\nfrom tfdist.benchmark import run\n"
+            f"sys.argv = ['tfdist-benchmark', *{args!r}]\n"
+            "try:\n    run.main()\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'tensorflow' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.stdout.strip() == "exit 2 False", out.stdout + out.stderr  # a usage error, TensorFlow never loaded
+    assert expect in out.stderr and "Traceback" not in out.stderr
+
+
+def test_model_argument_keeps_the_module_function_form():
+    from tfdist.benchmark.run import PARSER
+
+    assert PARSER.parse_args(["--model", "my_models:small_cnn"]).model == "my_models:small_cnn"
+    assert PARSER.parse_args(["--model", "resnet50_v1.5"]).model == "resnet50_v1.5"

@@ -15,3 +15,24 @@ def test_digits_cnn_two_ranks_reaches_90_percent(tmp_path):
     # the reported test accuracy is global, hence the same on both ranks
     assert ranks[0]["test"] == ranks[1]["test"]
     assert ranks[0]["test"]["accuracy"] >= 0.90
+
+
+def test_first_run_script_trains_on_two_ranks_as_the_quick_start_shows():
+    """README's Quick start: `tfdist-run -np 2 python scripts/examples/first_run.py`, shown whole in it."""
+    import os
+    import re
+    import subprocess
+
+    from conftest import BIN
+
+    script = ROOT / "scripts" / "examples" / "first_run.py"
+    code = script.read_text().split('"""\n\n', 1)[1]  # the script after its docstring
+    assert f"```python\n{code}```" in (ROOT / "README.md").read_text()  # the README shows it as shipped
+    out = subprocess.run([str(BIN / "tfdist-run"), "-np", "2", "python", str(script)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    printed = re.findall(r"ranks: (\d+), test accuracy: ([\d.]+)", out.stdout)
+    assert len(printed) == 1, out.stdout  # the chief prints the global result once
+    ranks, accuracy = printed[0]
+    assert ranks == "2" and float(accuracy) >= 0.9

@@ -192,6 +192,29 @@ def test_cli_converts_npz_and_validate_finds_the_bad_shard(tmp_path, capsys):
     assert f"BAD  {m.path(m.shards[2])}: 6 of 10 records unreadable" in out and "record 4" in out
 
 
+def test_cli_validate_takes_a_glob_as_the_reader_does_and_names_a_directory_without_manifest(tmp_path, capsys):
+    from tfdist.pipelines.cli import main
+
+    m = write_arrays({"id": np.arange(30, dtype=np.int64)}, tmp_path / "ds", min_shards=3)
+    os.remove(tmp_path / "ds" / "manifest.json")  # TFRecord files written elsewhere: no manifest
+    assert main(["validate", str(tmp_path / "ds" / "*.tfrecord"), "--checksum"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ok   ") == 3 and "3 of 3 shards ok" in out and "no SHA-256 to compare" in out
+    corrupt_byte(m.path(m.shards[1]), 4, m.shards[1].records)
+    assert main(["validate", str(tmp_path / "ds" / "*.tfrecord")]) == 1
+    out = capsys.readouterr().out  # counted file by file: the damaged one is named, the others still checked
+    assert f"BAD  {m.path(m.shards[1])}: records from 4 on cannot be read" in out and "2 of 3 shards ok" in out
+    # a directory without a manifest, an empty glob, a missing path: one line naming it, no traceback
+    for source, expect in ((tmp_path / "ds", f"{tmp_path / 'ds'} has no manifest.json"),
+                           (tmp_path / "ds" / "*.npz", "no TFRecord files match"),
+                           (tmp_path / "nowhere", f"{tmp_path / 'nowhere'} does not exist")):
+        assert main(["validate", str(source)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tfdist-data validate: ") and expect in err and "Traceback" not in err
+        if source == tmp_path / "ds":  # and says what to do: convert, or validate its files by a glob
+            assert "tfdist-data convert" in err and f"'{tmp_path / 'ds' / '*.tfrecord'}'" in err
+
+
 def test_skipped_records_report_logs_each_epoch_and_resets(tmp_path, caplog):
     import keras
 

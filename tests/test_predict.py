@@ -68,3 +68,15 @@ def test_calibration_reproduces_the_measured_one_collective_step(capsys):
     assert "calibrated: 0.606 Gbit/s effective" in out and "| one collective | 2 | 4315.9 |" in out
     with pytest.raises(SystemExit):
         predict.main(["--compute_ms", "100", "--gradient_mb", "10"])  # neither a rate nor a calibration
+
+
+@pytest.mark.parametrize("flag,value", [("--bandwidth_gbit", "0"), ("--bandwidth_gbit", "-25"),
+                                        ("--compute_ms", "0"), ("--ranks", "0"), ("--latency_us", "-1"),
+                                        ("--bandwidth_gbit", "nan")])
+def test_nonsense_numbers_are_rejected_at_parse_time_naming_the_flag(flag, value, capsys):
+    args = {"--compute_ms": "198", "--gradient_mb": "102", "--bandwidth_gbit": "25", flag: value}
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error, not a ZeroDivisionError later
+        predict.main([part for item in args.items() for part in item])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and value.lstrip("-") in err

@@ -35,6 +35,8 @@ import dataclasses
 import math
 import sys
 
+from tfdist import argtypes
+
 
 @dataclasses.dataclass(frozen=True)
 class Link:
@@ -107,19 +109,24 @@ def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tfdist-predict", description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--compute_ms", type=float, required=True, help="one rank's measured step (ms)")
-    parser.add_argument("--gradient_mb", type=float, required=True, help="gradient bytes per step, in MB (10^6)")
+    parser.add_argument("--compute_ms", type=argtypes.positive_float, required=True,
+                        help="one rank's measured step (ms)")
+    parser.add_argument("--gradient_mb", type=argtypes.positive_float, required=True,
+                        help="gradient bytes per step, in MB (10^6)")
     parser.add_argument("--backward_fraction", type=float, default=2 / 3)
-    parser.add_argument("--bucket_mb", type=float, default=25, help="0: one collective after backprop")
-    parser.add_argument("--bandwidth_gbit", type=float, help="the link's rate (or calibrate it, below)")
-    parser.add_argument("--calibrate_one_collective_ms", type=float,
+    parser.add_argument("--bucket_mb", type=argtypes.nonnegative_float, default=25,
+                        help="0: one collective after backprop")
+    parser.add_argument("--bandwidth_gbit", type=argtypes.positive_float,
+                        help="the link's rate (or calibrate it, below)")
+    parser.add_argument("--calibrate_one_collective_ms", type=argtypes.positive_float,
                         help="a measured step (ms) with one collective after backprop: sets the effective bandwidth")
-    parser.add_argument("--calibrate_ranks", type=int, default=2, help="ranks of that measured step")
-    parser.add_argument("--latency_us", type=float, default=5)
-    parser.add_argument("--intra_node_gbit", type=float, help="between ranks of one node (default 20x the link)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    parser.add_argument("--ranks_per_node", type=int, default=1)
-    parser.add_argument("--batch_per_rank", type=int, help="for images/s")
+    parser.add_argument("--calibrate_ranks", type=argtypes.positive_int, default=2, help="ranks of that measured step")
+    parser.add_argument("--latency_us", type=argtypes.nonnegative_float, default=5)
+    parser.add_argument("--intra_node_gbit", type=argtypes.positive_float,
+                        help="between ranks of one node (default 20x the link)")
+    parser.add_argument("--ranks", type=argtypes.positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--ranks_per_node", type=argtypes.positive_int, default=1)
+    parser.add_argument("--batch_per_rank", type=argtypes.positive_int, help="for images/s")
     parser.add_argument("--png", help="write a plot of images/s (or efficiency) against ranks here")
     args = parser.parse_args(argv)
     if not 0 < args.backward_fraction <= 1:

@@ -16,6 +16,21 @@ keeps the loss in float32.
 MODELS = ("resnet50", "resnet50_v1.5", "mnist_cnn", "trivial")
 
 
+def model_name(name):
+    """Argparse type for --model: a name in MODELS or `module:function`, checked before TensorFlow loads."""
+    import argparse
+    import difflib
+
+    module, colon, function = name.partition(":")
+    if name in MODELS or (colon and module and function.isidentifier()):
+        return name
+    close = difflib.get_close_matches(name, MODELS, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise argparse.ArgumentTypeError(
+        f"unknown model {name!r}: {hint}known models: {', '.join(MODELS)}; or give your own as "
+        "module:function (a function of (image_size, num_classes) returning an uncompiled Keras model)")
+
+
 def build_model(keras, name, image_size, num_classes):
     from tfdist.precision import float32_softmax
 

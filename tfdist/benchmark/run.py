@@ -21,34 +21,39 @@ reach --target_accuracy (stopping there).
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import sys
 import time
 
-from tfdist import startup
-from tfdist.benchmark.models import MODELS, build_model
+from tfdist import argtypes, startup
+from tfdist.benchmark.models import MODELS, build_model, model_name
 
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-PARSER.add_argument("--model", default="resnet50",
+PARSER.add_argument("--model", default="resnet50", type=model_name,
                     help=f"one of {', '.join(MODELS)}, or module:function(image_size, num_classes) returning "
                          "an uncompiled Keras model")
-PARSER.add_argument("--batch_size", type=int, default=32, help="per replica")
-PARSER.add_argument("--image_size", type=int, default=224)
-PARSER.add_argument("--num_classes", type=int, default=1000)
-PARSER.add_argument("--num_warmup_batches", type=int, default=2)
-PARSER.add_argument("--num_batches", type=int, default=10)
-PARSER.add_argument("--display_every", type=int, default=5)
+PARSER.add_argument("--batch_size", type=argtypes.positive_int, default=32, help="per replica")
+PARSER.add_argument("--image_size", type=argtypes.positive_int, default=224)
+PARSER.add_argument("--num_classes", type=argtypes.positive_int, default=1000)
+PARSER.add_argument("--num_warmup_batches", type=argtypes.nonnegative_int, default=2)
+PARSER.add_argument("--num_batches", type=argtypes.positive_int, default=10)
+PARSER.add_argument("--display_every", type=argtypes.positive_int, default=5)
 PARSER.add_argument("--data_dir", help="TFRecord dataset (pipelines manifest); default: synthetic")
 PARSER.add_argument("--eval_dir", help="TFRecord test set for --epochs: accuracy after every epoch")
-PARSER.add_argument("--epochs", type=int, help="train whole epochs of --data_dir (instead of --num_batches)")
-PARSER.add_argument("--target_accuracy", type=float, help="with --epochs: stop once test accuracy reaches it")
-PARSER.add_argument("--learning_rate", type=float, default=0.01, help="per replica (scaled by the replica count)")
-PARSER.add_argument("--precision", default="float32", help="float32, mixed_float16, mixed_bfloat16 or auto")
+PARSER.add_argument("--epochs", type=argtypes.positive_int,
+                    help="train whole epochs of --data_dir (instead of --num_batches)")
+PARSER.add_argument("--target_accuracy", type=argtypes.fraction,
+                    help="with --epochs: stop once test accuracy reaches it")
+PARSER.add_argument("--learning_rate", type=argtypes.positive_float, default=0.01,
+                    help="per replica (scaled by the replica count)")
+PARSER.add_argument("--precision", default="float32", choices=["float32", "mixed_float16", "mixed_bfloat16", "auto"],
+                    help="auto: tfdist only (HorovodStrategy picks by hardware)")
 PARSER.add_argument("--xla", action="store_true", help="jit_compile the train step (one rank only)")
-PARSER.add_argument("--num_intra_threads", type=int)
-PARSER.add_argument("--num_inter_threads", type=int)
+PARSER.add_argument("--num_intra_threads", type=argtypes.nonnegative_int, help="0: TensorFlow's default")
+PARSER.add_argument("--num_inter_threads", type=argtypes.nonnegative_int, help="0: TensorFlow's default")
 PARSER.add_argument("--variable_update", default="tfdist", choices=["tfdist", "horovod", "mwms", "none"])
 PARSER.add_argument("--keras", default="keras3", choices=["keras3", "tf_keras"])
 PARSER.add_argument("--no_tuning", action="store_true", help="tfdist: HorovodStrategy(tuning=False)")
@@ -56,7 +61,8 @@ PARSER.add_argument("--onednn", choices=["default", "on", "off"], default="defau
                     help="TF_ENABLE_ONEDNN_OPTS before TensorFlow loads (default: leave it as TF/tuning decide)")
 PARSER.add_argument("--fused_batchnorm", choices=["on", "off"], default="on",
                     help="tfdist on Keras 3: BatchNormalization on TensorFlow's fused kernel (HorovodStrategy's default)")
-PARSER.add_argument("--horovod_cycle_time_ms", type=float, help="Horovod's background cycle (tfdist, horovod)")
+PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
+                    help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
                     "summarise with scripts/profile_summary.py. Those steps run slower: compare profiles, not speeds")
 PARSER.add_argument("--json", help="write the result (every step time) here (rank 0)")
@@ -123,6 +129,7 @@ def run_keras_fit(args, keras, strategy, rank):
         model.compile(optimizer=keras.optimizers.SGD(args.learning_rate * replicas, momentum=0.9),
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla,
                       metrics=["accuracy"] if args.epochs else None)
+    keep_iterators(model)
     train, source, plan = distributed_input(args, strategy, training=True)
     fit_callbacks = [Timing()]
     if args.profile_dir:
@@ -135,17 +142,25 @@ def run_keras_fit(args, keras, strategy, rank):
         steps = args.num_warmup_batches + args.num_batches
         model.fit(train, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=fit_callbacks)
         return timer, source, None
-    test = distributed_input(args, strategy, training=False)[0] if args.eval_dir else None
+    test, _, test_plan = distributed_input(args, strategy, training=False) if args.eval_dir else (None, None, None)
+    # tf-keras needs a step count for a distributed dataset: this rank's batches (ranks may differ)
+    test_steps = -(-test_plan.records // args.batch_size) if test_plan and args.keras == "tf_keras" else None
     history, start = [], time.perf_counter()
-    for epoch in range(args.epochs):
-        model.fit(train, steps_per_epoch=plan.steps_per_epoch, initial_epoch=epoch, epochs=epoch + 1,
-                  verbose=0, callbacks=fit_callbacks)
-        accuracy = float(model.evaluate(test, verbose=0, return_dict=True)["accuracy"]) if test else None
-        history.append({"epoch": epoch + 1, "test_accuracy": accuracy, "seconds": time.perf_counter() - start})
-        if rank == 0:
-            print(f"epoch {epoch + 1}: test accuracy {accuracy}  ({history[-1]['seconds']:.1f} s)", flush=True)
-        if args.target_accuracy and accuracy is not None and accuracy >= args.target_accuracy:
-            break
+
+    class EpochEnd(keras.callbacks.Callback):
+        """After each epoch and Keras' evaluation of --eval_dir: record, print, stop at the target."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            accuracy = float(logs["val_accuracy"]) if test is not None else None
+            history.append({"epoch": epoch + 1, "test_accuracy": accuracy, "seconds": time.perf_counter() - start})
+            if rank == 0:
+                print(f"epoch {epoch + 1}: test accuracy {accuracy}  ({history[-1]['seconds']:.1f} s)", flush=True)
+            if args.target_accuracy and accuracy is not None and accuracy >= args.target_accuracy:
+                self.model.stop_training = True
+
+    # One fit for every epoch, so one training iterator, held to the end (see _exit_now).
+    model.fit(train, steps_per_epoch=plan.steps_per_epoch, epochs=args.epochs, validation_data=test,
+              validation_steps=test_steps, verbose=0, callbacks=[*fit_callbacks, EpochEnd()])
     return timer, source, history
 
 
@@ -184,10 +199,30 @@ def run_horovod_loop(args, keras):
         return loss
 
     timer = StepTimer()
-    for i, (images, labels) in enumerate(ds.take(args.num_warmup_batches + args.num_batches)):
+    batches = iter(ds.take(args.num_warmup_batches + args.num_batches))
+    KEPT.append(batches)
+    for i, (images, labels) in enumerate(batches):
         timer.begin()
         timer.end(step(images, labels, i == 0))
     return timer, source, None
+
+
+# Iterators held until the process ends (_exit_now): releasing one can stall for seconds.
+KEPT = []
+
+
+def keep_iterators(model):
+    """Hold every iterator that fit and evaluate pass to the model's step functions (see _exit_now)."""
+    for name in ("train_function", "test_function"):
+        getattr(model, f"make_{name}")()  # sets model.train_function / test_function
+        step = getattr(model, name)
+
+        def holding(iterator, step=step):
+            if not any(kept is iterator for kept in KEPT[-2:]):
+                KEPT.append(iterator)
+            return step(iterator)
+
+        setattr(model, name, holding)
 
 
 def mwms_tf_config():
@@ -252,6 +287,7 @@ def _set_threads(tf, args):
 
 
 def main():
+    """The tfdist-benchmark command: parse, run, print and write the results, then end the process (_exit_now)."""
     args = PARSER.parse_args()
     if args.variable_update in ("horovod", "mwms"):
         args.keras = "tf_keras"
@@ -259,6 +295,8 @@ def main():
         PARSER.error("--epochs needs --data_dir (a real dataset to reach an accuracy on)")
     if args.epochs and args.variable_update in ("horovod", "mwms"):
         PARSER.error(f"--epochs (accuracy runs) is for --variable_update tfdist or none, not {args.variable_update}")
+    if args.precision == "auto" and args.variable_update != "tfdist":
+        PARSER.error(f"--precision auto is for --variable_update tfdist; name a policy for {args.variable_update}")
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.variable_update != "tfdist" or args.no_tuning:
@@ -294,6 +332,10 @@ def main():
     if rank == 0:
         print("\n".join(header), flush=True)
 
+    # As timeit does: no garbage collection while steps are timed. A collection there could free
+    # an iterator left in a reference cycle, a stall of seconds (see _exit_now). Not turned back
+    # on: the process ends right after the results.
+    gc.disable()
     if args.variable_update == "horovod":
         timer, source, history = run_horovod_loop(args, keras)
     else:
@@ -313,6 +355,34 @@ def main():
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    _exit_now(0)
+
+
+def _exit_now(code):
+    """End the process once every result is printed, written and flushed, skipping Python's teardown.
+
+    Releasing a tf.data iterator joins its autotuning thread (`RootDataset::Iterator`'s model
+    thread, in `Model::OptimizeLoop`), which sleeps between optimisations for a period that
+    doubles up to a minute as the iterator ages. Cancellation wakes it, but tsl's
+    `CancellationManager::StartCancelWithStatus` runs that wake-up callback before it sets
+    `is_cancelled_`: a thread that wakes at once (likely on a rank pinned to one core, as
+    tfdist's tuning does with 2 ranks on 2 cores) sees no cancellation and sleeps out the rest
+    of its period while the main thread waits (TF_CPP_VMODULE=model=2 shows `Waiting for 5120
+    ms.`, `Waiting for 5117 ms.`, then a 5.1 s stall). A fit per epoch left every epoch's
+    iterator alive until Python's teardown: 19-22 s after 3 epochs, about 4.5 minutes after 20.
+    So the benchmark runs one fit, holds its iterators (KEPT) and never releases them: exit
+    handlers run (Horovod's shutdown, and the watchdog's goodbye, without which the other ranks
+    would report this one as dead), then the process ends. Only this command ends so; the
+    functions above return as usual.
+    """
+    import atexit
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def accuracy_summary(args, history):
