@@ -171,6 +171,8 @@ def test_strategy_topology_and_input_contexts(tmp_path_factory):
         assert f["gathered"] == [[0.0, 0.0], [1.0, 1.0]]
         assert f["gathered_axis1"] == [[0.0, 0.0, 1.0, 1.0]]
         assert f["reduced_sum"] == 3.0
+        # a tf.function's collectives on captured tensors, after rank 0 alone ran eager ops
+        assert f["after_uneven_eager_work"] == {"sum": [3.0, 30.0], "gather": [1.0, 10.0, 2.0, 20.0], "mean": [1.5, 15.0]}
 
 
 def test_misuse_fails_loudly_on_every_rank(tmp_path):

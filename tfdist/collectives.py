@@ -158,6 +158,20 @@ def named(scope):
             yield
 
 
+def graph_name(kind, name=None):
+    """The Horovod name for a collective: `name` if given; in a graph, `kind`; eagerly, None.
+
+    Horovod names an unnamed collective built in a graph after its input tensors, and a tensor a
+    `tf.function` captures from eager code is named by a process-wide counter (`725_0`). One rank
+    that ran one more eager op (a chief-only log, a save) then enqueues a name its peers never
+    will, and the job waits forever. The node's own name in the graph (scope + `kind`, made
+    unique by TensorFlow in trace order) is the same on every rank that traced the same code.
+    """
+    if name is not None or tf.executing_eagerly():
+        return name
+    return kind
+
+
 def _op(name):
     try:
         return getattr(horovod(), _OPS[name])
@@ -190,8 +204,9 @@ def _allreduce(tensors, op, name, compression):
         kwargs = {"op": _op(group_op)}
         if compression is not None and dtype.is_floating:
             kwargs["compression"] = compression
-        if name is not None:
-            kwargs["name"] = f"{name}.{dtype.name}"
+        group_name = graph_name("grouped_allreduce", name)
+        if group_name is not None:
+            kwargs["name"] = f"{group_name}.{dtype.name}"
         reduced = hvd.grouped_allreduce([tensors[i] for i in indices], **kwargs)
         for i, r in zip(indices, reduced):
             out[i] = r // hvd.size() if group_op != op else r
@@ -258,19 +273,19 @@ def adasum(tensors, num_replicas, compression=None, scope="tfdist_adasum"):
             if not t.dtype.is_floating:
                 raise ValueError(f"op='adasum' combines floating gradients; got a {t.dtype.name} tensor")
             # Per tensor: hvd.grouped_allreduce's Adasum branch reads an unbound variable (0.28.1).
-            reduced = hvd.allreduce(t, **kwargs)
+            reduced = hvd.allreduce(t, name=graph_name("adasum"), **kwargs)
             out.append(reduced * tf.constant(num_replicas, reduced.dtype))
         return out
 
 
 def broadcast(tensor, root_rank=0, name=None, scope="tfdist_broadcast"):
     with named(scope):
-        return horovod().broadcast(tensor, root_rank=root_rank, name=name)
+        return horovod().broadcast(tensor, root_rank=root_rank, name=graph_name("broadcast", name))
 
 
 def allgather(tensor, name=None, scope="tfdist_allgather"):
     with named(scope):
-        return horovod().allgather(tensor, name=name)
+        return horovod().allgather(tensor, name=graph_name("allgather", name))
 
 
 def timeline_mode():

@@ -280,6 +280,7 @@ def strategy_facts(strategy, results):
     received = tfdist.collectives.broadcast_object(big)
     results["facts"]["broadcast_object"] = [len(received["text"]), received["rank"]]
     results["facts"]["allgather_object"] = tfdist.collectives.allgather_object(list(range(strategy.rank * 3000)))
+    results["facts"]["after_uneven_eager_work"] = collectives_after_uneven_eager_work(strategy)
     contexts = []
 
     def dataset_fn(ctx):
@@ -290,6 +291,30 @@ def strategy_facts(strategy, results):
     seen = [int(v) for batch in dist for v in strategy.experimental_local_results(batch)[0].numpy()]
     results["facts"]["input_context"] = list(contexts[0])
     results["facts"]["records_seen"] = seen
+
+
+def collectives_after_uneven_eager_work(strategy):
+    """Collectives in a tf.function on tensors it captures, after rank 0 alone ran eager ops.
+
+    Chief-only work (a log line, a save) is everywhere; it shifts the process-wide counter that
+    names captured eager tensors, so Horovod's default collective names would differ by rank and
+    the job would wait forever.
+    """
+    if strategy.rank == 0:
+        _ = [tf.constant(float(i)) * 2.0 for i in range(7)]
+    captured = tf.constant([strategy.rank + 1.0, 10.0 * (strategy.rank + 1)])
+
+    def replica_fn():
+        ctx = tf.distribute.get_replica_context()
+        return (ctx.all_reduce(tf.distribute.ReduceOp.SUM, captured), ctx.all_gather(captured, axis=0))
+
+    @tf.function
+    def step():
+        summed, gathered = strategy.run(replica_fn)
+        return summed, gathered, strategy.reduce(tf.distribute.ReduceOp.MEAN, captured, axis=None)
+
+    summed, gathered, mean = step()
+    return {"sum": summed.numpy().tolist(), "gather": gathered.numpy().tolist(), "mean": mean.numpy().tolist()}
 
 
 class WarningTexts(logging.Handler):
