@@ -166,6 +166,7 @@ def graph_name(kind, name=None):
     that ran one more eager op (a chief-only log, a save) then enqueues a name its peers never
     will, and the job waits forever. The node's own name in the graph (scope + `kind`, made
     unique by TensorFlow in trace order) is the same on every rank that traced the same code.
+    `kind` is Horovod's op name ("HorovodAllgather"), so profiles and timelines still say Horovod.
     """
     if name is not None or tf.executing_eagerly():
         return name
@@ -204,7 +205,7 @@ def _allreduce(tensors, op, name, compression):
         kwargs = {"op": _op(group_op)}
         if compression is not None and dtype.is_floating:
             kwargs["compression"] = compression
-        group_name = graph_name("grouped_allreduce", name)
+        group_name = graph_name("HorovodGroupedAllreduce", name)
         if group_name is not None:
             kwargs["name"] = f"{group_name}.{dtype.name}"
         reduced = hvd.grouped_allreduce([tensors[i] for i in indices], **kwargs)
@@ -273,19 +274,36 @@ def adasum(tensors, num_replicas, compression=None, scope="tfdist_adasum"):
             if not t.dtype.is_floating:
                 raise ValueError(f"op='adasum' combines floating gradients; got a {t.dtype.name} tensor")
             # Per tensor: hvd.grouped_allreduce's Adasum branch reads an unbound variable (0.28.1).
-            reduced = hvd.allreduce(t, name=graph_name("adasum"), **kwargs)
+            reduced = hvd.allreduce(t, name=graph_name("HorovodAdasum"), **kwargs)
             out.append(reduced * tf.constant(num_replicas, reduced.dtype))
         return out
 
 
 def broadcast(tensor, root_rank=0, name=None, scope="tfdist_broadcast"):
     with named(scope):
-        return horovod().broadcast(tensor, root_rank=root_rank, name=graph_name("broadcast", name))
+        return horovod().broadcast(tensor, root_rank=root_rank, name=graph_name("HorovodBroadcast", name))
 
 
 def allgather(tensor, name=None, scope="tfdist_allgather"):
     with named(scope):
-        return horovod().allgather(tensor, name=graph_name("allgather", name))
+        return horovod().allgather(tensor, name=graph_name("HorovodAllgather", name))
+
+
+def transport(device):
+    """How this rank's collectives travel, as Horovod reports it, for the tuning line.
+
+    "collectives NCCL 2.32.3 on GPU (controller Gloo)"; on a GPU with a Horovod built without
+    NCCL, "collectives Gloo through host memory (Horovod built without NCCL)"; on CPU,
+    "collectives Gloo on CPU".
+    """
+    hvd = horovod()
+    controller = "MPI" if hvd.mpi_enabled() else "Gloo" if hvd.gloo_enabled() else "none"
+    if "gpu" not in str(device).lower():
+        return f"collectives {controller} on CPU"
+    code = hvd.nccl_built()
+    if not code:
+        return f"collectives {controller} through host memory (Horovod built without NCCL)"
+    return f"collectives NCCL {code // 10000}.{code // 100 % 100}.{code % 100} on GPU (controller {controller})"
 
 
 def timeline_mode():
