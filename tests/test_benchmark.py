@@ -150,6 +150,18 @@ def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
     assert expect in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.skipif(bool(__import__("tfdist.gpu").gpu.visible_ids()), reason="a GPU is visible here")
+@pytest.mark.parametrize("mode", ["tfdist", "horovod"])
+def test_device_gpu_without_a_gpu_fails_naming_what_it_found(mode):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), *TINY, "--device", "gpu",
+                          "--variable_update", mode], capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("tfdist-benchmark --device gpu: rank 0 (host ") and "asked for a GPU" in last
+    assert "no NVIDIA driver loaded" in last and "CUDA_VISIBLE_DEVICES" in last and "Fix:" in last
+    assert "Traceback" not in out.stderr
+
+
 def test_model_argument_keeps_the_module_function_form():
     from tfdist.benchmark.run import PARSER
 

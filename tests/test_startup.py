@@ -53,6 +53,21 @@ def test_ranks_other_than_0_quiet_tensorflow_start_up_log():
     assert "LEVEL 1 True" in out and "UNDONE 1" in out, out
 
 
+def test_each_local_rank_gets_its_gpu_before_tensorflow_loads():
+    """CUDA_VISIBLE_DEVICES narrowed to this local rank's entry (and memory growth on) by `import
+    tfdist`; the scheduler's list is where the choice comes from, never a setting to keep."""
+    code = ("import os\nimport tfdist\nfrom tfdist import startup\n"
+            "print('GPU', os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ.get('TF_FORCE_GPU_ALLOW_GROWTH'))\n"
+            "startup.undo()\nprint('UNDONE', os.environ.get('CUDA_VISIBLE_DEVICES'))\n")
+    layout = {"HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_RANK": "1"}
+    out = python(code, env={**layout, "CUDA_VISIBLE_DEVICES": "4,6"}).stdout
+    assert "GPU 6 true" in out and "UNDONE 4,6" in out, out
+    out = python(code, env={**layout, "CUDA_VISIBLE_DEVICES": "7"}).stdout  # srun --gpus-per-task=1
+    assert "GPU 7 true" in out, out
+    out = python(code, env={**layout, "CUDA_VISIBLE_DEVICES": "4,6", "TF_FORCE_GPU_ALLOW_GROWTH": "false"}).stdout
+    assert "GPU 6 false" in out, out  # the user's memory setting wins
+
+
 @pytest.mark.parametrize("onednn", [False, True])
 def test_import_tfdist_first_puts_onednn_choice_in_effect(onednn):
     """TensorFlow itself reports the choice: tfdist set TF_ENABLE_ONEDNN_OPTS before it loaded."""

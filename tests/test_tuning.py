@@ -59,6 +59,43 @@ def test_one_gpu_per_local_rank_on_an_8_gpu_node():
     assert "one GPU per local rank" in result[0].summary()
 
 
+def test_each_local_rank_sees_only_its_gpu_with_memory_growth():
+    result = plans(node(2, 16), 4, gpus=4)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in result] == ["0", "1", "2", "3"]
+    assert all(p.env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true" for p in result)
+    # the ids the scheduler gave (indices or UUIDs), round-robin when ranks outnumber GPUs
+    result = plans(node(1, 8), 4, gpu_ids=("GPU-aa", "GPU-bb"))
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in result] == ["GPU-aa", "GPU-bb", "GPU-aa", "GPU-bb"]
+    assert "4 local ranks share 2 GPUs" in result[0].summary()
+    # a rank already narrowed to one GPU (srun --gpus-per-task=1) keeps it; no GPU: nothing set
+    (one,) = plans(node(1, 8), 1, gpu_ids=("5",))
+    assert "CUDA_VISIBLE_DEVICES" not in one.env and one.env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    (cpu,) = plans(node(1, 8), 1)
+    assert "CUDA_VISIBLE_DEVICES" not in cpu.env and "TF_FORCE_GPU_ALLOW_GROWTH" not in cpu.env
+
+
+def test_visible_gpu_ids_without_tensorflow():
+    from tfdist import gpu
+
+    assert gpu.visible_ids({"CUDA_VISIBLE_DEVICES": "2,3"}) == ("2", "3")
+    assert gpu.visible_ids({"CUDA_VISIBLE_DEVICES": ""}) == ()
+    assert gpu.visible_ids({"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == ("1",)  # CUDA stops at -1
+    assert gpu.visible_ids({}, device_files=["/dev/nvidia1", "/dev/nvidia0", "/dev/nvidiactl"]) == ("0", "1")
+    assert gpu.is_gpu_request("gpu") and gpu.is_gpu_request("/job:worker/device:GPU:0")
+    assert not gpu.is_gpu_request(None) and not gpu.is_gpu_request("/cpu:0")
+
+
+def test_gpu_phrase_reports_tensorflows_view():
+    from tfdist import gpu
+
+    effect = {"gpus": [{"name": "/physical_device:GPU:0", "device_name": "NVIDIA H100 80GB HBM3",
+                        "compute_capability": [9, 0], "memory_growth": True}],
+              "cuda_visible_devices": "3", "cuda_libraries": "CUDA 12.9.79, cuDNN 9.28.0.42"}
+    assert gpu.describe(effect) == "GPU 3 = NVIDIA H100 80GB HBM3 (cc 9.0), memory growth on"
+    assert gpu.describe({**effect, "gpus": []}) == "no GPU visible (CUDA 12.9.79, cuDNN 9.28.0.42 installed)"
+    assert gpu.describe({**effect, "gpus": [], "cuda_libraries": None}) == ""
+
+
 def test_openmp_settings_only_for_openmp_builds():
     (plain,) = plans(node(1, 4), 1)
     (openmp,) = plans(node(1, 4), 1, openmp_build=True)

@@ -10,6 +10,7 @@ model.fit(dataset)
 """
 
 from tfdist.errors import (
+    GPUNotFoundError,
     HorovodNotAvailableError,
     KerasHookError,
     NonFiniteLossError,
@@ -57,6 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HorovodStrategy",
+    "GPUNotFoundError",
     "HorovodNotAvailableError",
     "KerasHookError",
     "LaunchError",

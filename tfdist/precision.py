@@ -68,6 +68,11 @@ def set_policy(policy="auto"):
     return policy
 
 
+def policy_name():
+    """The global Keras dtype policy in effect, for the tuning line: "Keras policy mixed_float16"."""
+    return f"Keras policy {keras_module().mixed_precision.global_policy().name}"
+
+
 def float32_softmax(logits_model, name="probabilities"):
     """`logits_model` followed by a softmax computed in float32, whatever the dtype policy.
 

@@ -131,8 +131,9 @@ def apply_early(route):
     done, kept, previous = {}, {}, {}
     quiet = {"TF_CPP_MIN_LOG_LEVEL": quiet_log_level()} if quiet_log_level() else {}
     for key, value in {**plan.env, **quiet}.items():
-        if key in os.environ and key not in inherited:
-            kept[key] = os.environ[key]  # the user's own setting wins
+        # The user's own setting wins; CUDA_VISIBLE_DEVICES is the list this rank's GPU came from.
+        if key in os.environ and key not in inherited and key != "CUDA_VISIBLE_DEVICES":
+            kept[key] = os.environ[key]
             continue
         previous[key] = inherited.get(key, {}).get("previous") if key in inherited else os.environ.get(key)
         os.environ[key] = value

@@ -27,6 +27,7 @@ import tensorflow as tf
 from tfdist import _compat, chief_saves, collectives, consistency, gradient_exchange, input_contract, keras_callbacks
 from tfdist import keras_metrics, keras_predict, quiet_ranks, rank_variables
 from tfdist import watchdog as watchdog_lib
+from tfdist import gpu as gpu_lib
 from tfdist import precision as precision_lib
 from tfdist import tuning as tuning_lib
 from tfdist.cluster_resolver import HorovodClusterResolver
@@ -49,8 +50,11 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             "per_rank" (Horovod's convention, for ported Horovod scripts): each rank's dataset is
             its own, batched per rank, and used as given. `distribute_datasets_from_function`
             and `pipelines.read_dataset(input_context=...)` datasets are per rank either way.
-        device: device for this rank's replica; default: this rank's local GPU
-            (`GPU:<local_rank>` of the visible GPUs) or the CPU.
+        device: device for this rank's replica; default: this rank's GPU (the one `tfdist.gpu`
+            left visible to it, or `GPU:<local_rank>` of the visible GPUs) or else the CPU.
+            "gpu" insists on this rank's GPU: with none visible, `GPUNotFoundError` names what
+            was found (driver, CUDA_VISIBLE_DEVICES, TensorFlow's build and devices); so does
+            any other GPU device name ("/gpu:0").
         compression: gradient compression for the allreduce: None or "none", "fp16" (floating
             gradients cast to float16 before and back after; halves the bytes sent), or a
             `horovod.tensorflow.Compression`.
@@ -125,6 +129,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             if collectives.adasum_refusal():
                 raise ValueError(collectives.adasum_refusal())
             gradient_exchange.install_adasum_marker()
+        if gpu_lib.is_gpu_request(device):
+            device = gpu_lib.require_gpu(device, collectives.rank(), collectives.local_rank())
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
@@ -149,6 +155,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         precision_lib.install()
         if precision is not None:
             precision_lib.set_policy(precision)
+        if self.tuning_plan is not None:
+            tuning_lib.announce(self.tuning_plan, (collectives.transport(device), precision_lib.policy_name()))
 
     # Horovod topology, for user code (data sharding, logging, chief-only work).
     @property

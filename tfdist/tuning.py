@@ -15,7 +15,7 @@ ranks on one core): intra-op threads = that share, and the process is pinned to 
 to it). oneDNN is switched on (`TF_ENABLE_ONEDNN_OPTS=1`; TensorFlow leaves it off on CPUs
 without AVX-512 VNNI/BF16, where it is worth about 1.45x for ResNet50), and OpenMP builds
 (intel-tensorflow) get `OMP_NUM_THREADS`, `KMP_BLOCKTIME`, `KMP_AFFINITY`, `KMP_SETTINGS`. GPU: one
-GPU per local rank, memory growth on. A `tfdist-tune` measurement cached for this machine
+GPU per local rank (`CUDA_VISIBLE_DEVICES`), memory growth on (`tfdist.gpu`). A `tfdist-tune` measurement cached for this machine
 (`tfdist.tuning_cache`) replaces these choices. Settings TensorFlow reads when it loads are
 applied before it loads by `tfdist.startup`; the summary reports what TensorFlow says is in
 effect, never the plan alone. Horovod: CPU-only jobs get a 10 ms background cycle
@@ -27,7 +27,7 @@ import glob
 import logging
 import os
 
-from tfdist import _compat
+from tfdist import _compat, gpu as gpu_lib
 
 log = logging.getLogger("tfdist")
 
@@ -41,6 +41,7 @@ class Topology:
     local_size: int = 1
     gpus: int = 0
     openmp_build: bool = False
+    gpu_ids: tuple = ()  # as CUDA_VISIBLE_DEVICES names them; default: "0" ... str(gpus - 1)
 
     @property
     def sockets(self):
@@ -104,12 +105,16 @@ def make_plan(topology, *, intra_op_threads=None, inter_op_threads=None, pin=Tru
                     "KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_SETTINGS": "1"})
         reasons.append("OpenMP build: OMP/KMP settings")
     gpu = None
-    if topology.gpus:
-        gpu = rank % topology.gpus
-        if ranks > topology.gpus:
-            reasons.append(f"{ranks} local ranks share {topology.gpus} GPUs")
+    ids = topology.gpu_ids or tuple(str(i) for i in range(topology.gpus))
+    if ids:
+        gpu = rank % len(ids)
+        env.update(gpu_lib.early_env(rank, ids))
+        if len(ids) == 1:
+            reasons.append("the one GPU this rank may use, memory growth on")
+        elif ranks > len(ids):
+            reasons.append(f"{ranks} local ranks share {len(ids)} GPUs, memory growth on")
         else:
-            reasons.append(f"one GPU per local rank ({topology.gpus} GPUs)")
+            reasons.append(f"one GPU per local rank ({len(ids)} GPUs), memory growth on")
     return Plan(intra, inter, affinity, env, gpu, tuple(reasons))
 
 
@@ -166,11 +171,14 @@ def detect_topology(local_rank=0, local_size=1, allowed=None, with_tf=True):
     if not cores:  # no sysfs: treat every usable cpu as a core
         cpus = sorted(allowed or range(os.cpu_count() or 1))
         cores = {(0, c): [c] for c in cpus}
+    ids = gpu_lib.visible_ids()
+    if with_tf:  # TensorFlow's count is the truth; the names are CUDA_VISIBLE_DEVICES' where they match
+        count = _count_gpus()
+        ids = ids if len(ids) == count else tuple(str(i) for i in range(count))
     return Topology(
         cores=tuple((s, c, tuple(cpus)) for (s, c), cpus in sorted(cores.items())),
-        local_rank=local_rank, local_size=local_size,
-        gpus=_count_gpus() if with_tf else _count_gpus_without_tf(),
-        openmp_build=_is_openmp_build(),
+        local_rank=local_rank, local_size=local_size, gpus=len(ids),
+        openmp_build=_is_openmp_build(), gpu_ids=ids,
     )
 
 
@@ -210,6 +218,8 @@ def apply(plan):
     too_late = []
     tf_loaded = "tensorflow" in sys.modules
     for key, value in plan.env.items():
+        if tf_loaded and key in (gpu_lib.VISIBLE, gpu_lib.GROWTH):
+            continue  # TensorFlow has read them: tf.config below does the same while it can
         if os.environ.get(key) != value:
             if tf_loaded and key in _FIXED_AT_LOAD:
                 if not (key == "TF_ENABLE_ONEDNN_OPTS" and onednn_active() == (value == "1")):
@@ -229,11 +239,17 @@ def apply(plan):
             too_late.append("intra/inter-op threads")
     if plan.visible_gpu is not None:
         gpus = tf.config.list_physical_devices("GPU")
+        mine = gpus[plan.visible_gpu % len(gpus)] if gpus else None
         try:
-            tf.config.set_visible_devices(gpus[plan.visible_gpu], "GPU")
-            tf.config.experimental.set_memory_growth(gpus[plan.visible_gpu], True)
-        except RuntimeError:
-            too_late.append("visible GPU / memory growth")
+            if mine is not None and tf.config.get_visible_devices("GPU") != [mine]:
+                tf.config.set_visible_devices(mine, "GPU")
+            if mine is not None and os.environ.get(gpu_lib.GROWTH, "true").lower() != "false":
+                tf.config.experimental.set_memory_growth(mine, True)
+        except RuntimeError:  # TensorFlow already initialised its GPUs
+            if tf.config.get_visible_devices("GPU") != [mine]:
+                too_late.append("one visible GPU per rank")
+            if not (tf.config.experimental.get_memory_growth(mine) or os.environ.get(gpu_lib.GROWTH) == "true"):
+                too_late.append("GPU memory growth")
     return too_late
 
 
@@ -251,7 +267,7 @@ def in_effect():
     return {"onednn": onednn_active(),
             "intra_op_threads": pool(tf.config.threading.get_intra_op_parallelism_threads(), "TF_NUM_INTRAOP_THREADS"),
             "inter_op_threads": pool(tf.config.threading.get_inter_op_parallelism_threads(), "TF_NUM_INTEROP_THREADS"),
-            "cpus": cpus}
+            "cpus": cpus, "gpu": gpu_lib.in_effect()}
 
 
 def describe(effect, plan=None):
@@ -260,7 +276,10 @@ def describe(effect, plan=None):
     parts = [f"intra_op={effect['intra_op_threads'] or tf_default}",
              f"inter_op={effect['inter_op_threads'] or tf_default}",
              f"cpus={_ranges(effect['cpus'])}", f"oneDNN {'on' if effect['onednn'] else 'off'}"]
-    if plan is not None and plan.visible_gpu is not None:
+    gpus = gpu_lib.describe(effect["gpu"]) if effect.get("gpu") else ""
+    if gpus:
+        parts.append(gpus)
+    elif plan is not None and plan.visible_gpu is not None:
         parts.append(f"GPU {plan.visible_gpu}")
     return " ".join(parts)
 
@@ -270,10 +289,10 @@ LATE_FIX = ("import tfdist before tensorflow (first line of the script), or laun
 
 
 def tune_this_rank(options, horovod_defaults):
-    """Detect this rank's share of the node, make and apply its plan; the chief prints what is in effect.
+    """Detect this rank's share of the node, make and apply its plan (`announce` prints it).
 
     The plan's settings that TensorFlow reads when it loads were applied then by `tfdist.startup`
-    (if it ran). What did not take effect is named once, on the chief, with the fix.
+    (if it ran). What did not take effect is kept in the plan's effect for `announce`.
     """
     from tfdist import collectives, startup
 
@@ -285,7 +304,8 @@ def tune_this_rank(options, horovod_defaults):
         reasons.append(f"settings from {choice['source']}")
     reasons += [reason for _, reason in horovod_defaults.values()]
     ours = startup.set_by_tfdist() | _SET_BY_APPLY
-    users = {k: os.environ[k] for k in plan.env if k in os.environ and k not in ours}
+    # CUDA_VISIBLE_DEVICES is the list the rank's GPU is picked from, never a choice to keep.
+    users = {k: os.environ[k] for k in plan.env if k in os.environ and k not in ours and k != gpu_lib.VISIBLE}
     if users:
         reasons.append("kept your " + " ".join(f"{k}={v}" for k, v in users.items()))
     env = {k: v for k, v in plan.env.items() if k not in users}
@@ -294,15 +314,25 @@ def tune_this_rank(options, horovod_defaults):
     plan = dataclasses.replace(plan, reasons=tuple(reasons),
                                env={**env, **{k: v for k, (v, _) in horovod_defaults.items()}})
     too_late = apply(plan)
-    effect = in_effect()
-    if collectives.rank() == 0:
-        route = f"set before TensorFlow loaded by {early['route']}" if early else "no early settings"
-        print(f"tfdist tuning: {describe(effect, plan)} ({route}); " + "; ".join(reasons), flush=True)
-        if too_late:
-            log.warning("tfdist tuning: TensorFlow had loaded before these settings, so they are NOT in "
-                        "effect: %s. Fix: %s.", ", ".join(too_late), LATE_FIX)
+    effect = {**in_effect(), "too_late": too_late,
+              "route": f"set before TensorFlow loaded by {early['route']}" if early else "no early settings"}
     log.info("tfdist tuning (rank %d): plan %s", collectives.rank(), plan.as_dict())
     return dataclasses.replace(plan, effect=effect)
+
+
+def announce(plan, also=()):
+    """On the chief: one line with what is in effect and why (`also`: more facts, e.g. the
+    collectives' transport and the Keras policy), and a warning naming what came too late."""
+    from tfdist import collectives
+
+    if collectives.rank() != 0:
+        return
+    effect = plan.effect
+    parts = [f"{describe(effect, plan)} ({effect['route']})", *(fact for fact in also if fact), *plan.reasons]
+    print("tfdist tuning: " + "; ".join(parts), flush=True)
+    if effect["too_late"]:
+        log.warning("tfdist tuning: TensorFlow had loaded before these settings, so they are NOT in "
+                    "effect: %s. Fix: %s.", ", ".join(effect["too_late"]), LATE_FIX)
 
 
 def onednn_active():

@@ -49,9 +49,13 @@ PARSER.add_argument("--target_accuracy", type=argtypes.fraction,
                     help="with --epochs: stop once test accuracy reaches it")
 PARSER.add_argument("--learning_rate", type=argtypes.positive_float, default=0.01,
                     help="per replica (scaled by the replica count)")
-PARSER.add_argument("--precision", default="float32", choices=["float32", "mixed_float16", "mixed_bfloat16", "auto"],
-                    help="auto: tfdist only (HorovodStrategy picks by hardware)")
+PARSER.add_argument("--precision", default="float32",
+                    choices=["float32", "mixed_float16", "mixed_bfloat16", "fp16", "bf16", "auto"],
+                    help="fp16/bf16: mixed_float16/mixed_bfloat16; auto: tfdist only (HorovodStrategy picks by hardware)")
 PARSER.add_argument("--xla", action="store_true", help="jit_compile the train step (one rank only)")
+PARSER.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                    help="auto: this rank's GPU where one is visible, else the CPU; gpu: fail, naming what "
+                    "was found, where none is")
 PARSER.add_argument("--num_intra_threads", type=argtypes.nonnegative_int, help="0: TensorFlow's default")
 PARSER.add_argument("--num_inter_threads", type=argtypes.nonnegative_int, help="0: TensorFlow's default")
 PARSER.add_argument("--variable_update", default="tfdist", choices=["tfdist", "horovod", "mwms", "none"])
@@ -252,7 +256,8 @@ def start(args):
         if args.onednn != "default":  # set before TensorFlow loaded (main); the plan must agree
             overrides["onednn"] = args.onednn == "on"
         knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
-        strategy = tfdist.HorovodStrategy(precision=args.precision, horovod=knobs,
+        device = {"auto": None, "cpu": "/cpu:0", "gpu": "gpu"}[args.device]
+        strategy = tfdist.HorovodStrategy(device, precision=args.precision, horovod=knobs,
                                           fused_batchnorm=args.fused_batchnorm == "on",
                                           tuning=False if args.no_tuning else (overrides or True))
         tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
@@ -261,6 +266,11 @@ def start(args):
         tuning += f"; fused BatchNormalization: {'on' if keras_fused_batchnorm.is_installed() else 'off'}"
         return keras, strategy, tuning, strategy.size, strategy.rank
     _set_threads(tf, args)
+    if args.device == "gpu":
+        from tfdist import gpu
+
+        rank = int(os.environ.get("HOROVOD_RANK", "0"))
+        gpu.require_gpu("gpu", rank, int(os.environ.get("HOROVOD_LOCAL_RANK", "0")))
     tuning = (f"TensorFlow defaults, except intra_op={args.num_intra_threads} inter_op={args.num_inter_threads}"
               if args.num_intra_threads or args.num_inter_threads else "TensorFlow defaults")
     if args.precision != "float32":
@@ -289,6 +299,7 @@ def _set_threads(tf, args):
 def main():
     """The tfdist-benchmark command: parse, run, print and write the results, then end the process (_exit_now)."""
     args = PARSER.parse_args()
+    args.precision = {"fp16": "mixed_float16", "bf16": "mixed_bfloat16"}.get(args.precision, args.precision)
     if args.variable_update in ("horovod", "mwms"):
         args.keras = "tf_keras"
     if args.epochs and not args.data_dir:
@@ -305,13 +316,20 @@ def main():
         os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"
     if args.variable_update == "mwms":
         mwms_tf_config()
+    if args.device == "cpu" and args.variable_update != "tfdist":
+        os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # the peers place ops on a visible GPU by default
 
     import tensorflow as tf
 
     from tfdist import tuning as tuning_lib
     from tfdist.tuning_cache import cpu_model
 
-    keras, strategy, tuning, size, rank = start(args)
+    from tfdist.errors import GPUNotFoundError
+
+    try:
+        keras, strategy, tuning, size, rank = start(args)
+    except GPUNotFoundError as e:
+        sys.exit(f"tfdist-benchmark --device gpu: {e}")
     global_batch = args.batch_size * size
     effect = tuning_lib.in_effect()
     import horovod
