@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.callbacks._keras import Callback
-from tfdist import _compat, collectives, rank_variables, recovery
+from tfdist import _compat, collectives, durable, rank_variables, recovery
 from tfdist.errors import TfdistError
 
 log = logging.getLogger("tfdist")
@@ -123,14 +123,14 @@ def write_checkpoint(directory, epoch, arrays, info):
         json.dump(marker, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(scratch)
+    durable.fsync_path(scratch)
     final = os.path.join(directory, name)
     stale = None
     if os.path.exists(final):  # a leftover of the same epoch: replaced only once the new one is in place
         stale = tempfile.mkdtemp(prefix=f".tmp-stale-{name}-", dir=directory)
         os.rename(final, os.path.join(stale, name))
     os.rename(scratch, final)
-    _fsync_dir(directory)
+    durable.fsync_path(directory)
     if stale is not None:
         shutil.rmtree(stale)
     return final
@@ -157,14 +157,6 @@ def _sha256(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- the model's state ------------------------------------------------------------------------

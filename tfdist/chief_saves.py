@@ -41,7 +41,7 @@ import weakref
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives, keras_callbacks, rank_variables, save_notices
+from tfdist import _compat, collectives, durable, keras_callbacks, rank_variables, save_notices
 from tfdist.errors import SaveSyncError
 from tfdist.watchdog_support import describe_exception, host_name
 
@@ -223,9 +223,9 @@ class _Call:
         try:
             result = self.run({self.param: temp})
             if os.path.exists(temp):
-                _fsync(temp)
+                durable.fsync_path(temp)
                 os.replace(temp, path)
-                _fsync(folder)
+                durable.fsync_path(folder)
         finally:
             if os.path.exists(temp):
                 os.remove(temp)
@@ -235,14 +235,6 @@ class _Call:
         """Wait for a checkpoint written in the background (CheckpointOptions(async)) to be on disk."""
         if getattr(self.bound.arguments.get("options"), "experimental_enable_async_checkpoint", False):
             self.bound.arguments["self"].sync()
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _next_number():
