@@ -187,10 +187,19 @@ def test_fresh_environment_installs_horovod_and_trains(installed, tmp_path_facto
     (`--cache-only`: the test fails, rather than spending ten minutes, if it would build).
     About a minute and a half on 2 cores.
     """
+    from importlib import metadata
+
     from tfdist import install_horovod
 
     wheel, _ = installed
-    plan = install_horovod.make_plan()
+    try:
+        metadata.version("tensorflow-cpu")
+        tf_dist = "tensorflow-cpu"
+    except metadata.PackageNotFoundError:
+        tf_dist = "tensorflow"
+    # On the GPU stack the venv gets TensorFlow without its CUDA wheels: Horovod's CPU wheel.
+    gpu = "no" if install_horovod.make_plan().gpu_stack else "auto"
+    plan = install_horovod.make_plan(gpu=gpu)
     if install_horovod.cached_wheel(plan) is None:
         pytest.skip(f"no cached Horovod wheel in {plan.wheel_dir}: run scripts/bootstrap.sh first")
     base = tmp_path_factory.mktemp("fresh_env")
@@ -207,14 +216,14 @@ def test_fresh_environment_installs_horovod_and_trains(installed, tmp_path_facto
                               timeout=timeout)
 
     site = run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip()
-    linked = link_distributions("tensorflow-cpu", base / "tensorflow-only")
-    assert {"tensorflow-cpu", "keras", "numpy"} <= linked and not {"tfdist", "horovod"} & linked
+    linked = link_distributions(tf_dist, base / "tensorflow-only")
+    assert {tf_dist, "keras", "numpy"} <= linked and not {"tfdist", "horovod"} & linked
     (Path(site) / "tensorflow_only.pth").write_text(f"{base / 'tensorflow-only'}\n")
     out = run(python, "-m", "pip", "install", "-q", "--no-deps", wheel)
     assert out.returncode == 0, out.stderr[-3000:]
 
     began = time.monotonic()
-    out = run(bin_dir / "tfdist-install-horovod", "--cache-only")
+    out = run(bin_dir / "tfdist-install-horovod", "--cache-only", "--gpu", gpu)
     took = time.monotonic() - began
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"reusing the cached wheel {plan.wheel_dir}/" in out.stdout and "(no rebuild)" in out.stdout

@@ -92,8 +92,9 @@ def test_gpu_phrase_reports_tensorflows_view():
                         "compute_capability": [9, 0], "memory_growth": True}],
               "cuda_visible_devices": "3", "cuda_libraries": "CUDA 12.9.79, cuDNN 9.28.0.42"}
     assert gpu.describe(effect) == "GPU 3 = NVIDIA H100 80GB HBM3 (cc 9.0), memory growth on"
-    assert gpu.describe({**effect, "gpus": []}) == "no GPU visible (CUDA 12.9.79, cuDNN 9.28.0.42 installed)"
-    assert gpu.describe({**effect, "gpus": [], "cuda_libraries": None}) == ""
+    assert gpu.describe({**effect, "gpus": []}) == "" and gpu.absence(effect) == ""
+    assert gpu.absence({**effect, "gpus": []}) == "no GPU visible (CUDA 12.9.79, cuDNN 9.28.0.42 installed)"
+    assert gpu.absence({**effect, "gpus": [], "cuda_libraries": None}) == ""
 
 
 def test_openmp_settings_only_for_openmp_builds():

@@ -109,7 +109,7 @@ def in_effect():
 def describe(effect):
     """One phrase for the tuning line, e.g. "GPU 1 = NVIDIA H100 (cc 9.0), memory growth on"."""
     if not effect["gpus"]:
-        return f"no GPU visible ({effect['cuda_libraries']} installed)" if effect["cuda_libraries"] else ""
+        return ""
     ids = visible_ids({VISIBLE: effect["cuda_visible_devices"]}) if effect["cuda_visible_devices"] else ()
     parts = []
     for i, device in enumerate(effect["gpus"]):
@@ -119,6 +119,13 @@ def describe(effect):
         parts.append(f"GPU {physical} = {device['device_name'] or device['name']}"
                      + (f" (cc {cc})" if cc else "") + (f", {growth}" if growth else ""))
     return "; ".join(parts)
+
+
+def absence(effect):
+    """ "no GPU visible (CUDA ..., cuDNN ... installed)" where the GPU stack sees no GPU, else "". """
+    if effect["gpus"] or not effect["cuda_libraries"]:
+        return ""
+    return f"no GPU visible ({effect['cuda_libraries']} installed)"
 
 
 def is_gpu_request(device):

@@ -156,7 +156,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         if precision is not None:
             precision_lib.set_policy(precision)
         if self.tuning_plan is not None:
-            tuning_lib.announce(self.tuning_plan, (collectives.transport(device), precision_lib.policy_name()))
+            tuning_lib.announce(self.tuning_plan, (gpu_lib.absence(self.tuning_plan.effect["gpu"]),
+                                                   collectives.transport(device), precision_lib.policy_name()))
 
     # Horovod topology, for user code (data sharding, logging, chief-only work).
     @property
