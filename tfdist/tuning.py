@@ -15,8 +15,8 @@ ranks on one core): intra-op threads = that share, and the process is pinned to 
 to it). oneDNN is switched on (`TF_ENABLE_ONEDNN_OPTS=1`; TensorFlow leaves it off on CPUs
 without AVX-512 VNNI/BF16, where it is worth about 1.45x for ResNet50), and OpenMP builds
 (intel-tensorflow) get `OMP_NUM_THREADS`, `KMP_BLOCKTIME`, `KMP_AFFINITY`, `KMP_SETTINGS`. GPU: one
-GPU per local rank (`CUDA_VISIBLE_DEVICES`), memory growth on (`tfdist.gpu`). A `tfdist-tune` measurement cached for this machine
-(`tfdist.tuning_cache`) replaces these choices. Settings TensorFlow reads when it loads are
+GPU per local rank (`CUDA_VISIBLE_DEVICES`), memory growth on (`tfdist.gpu`). A `tfdist-tune`
+measurement cached for this machine (`tfdist.tuning_cache`) replaces these choices. Settings TensorFlow reads when it loads are
 applied before it loads by `tfdist.startup`; the summary reports what TensorFlow says is in
 effect, never the plan alone. Horovod: CPU-only jobs get a 10 ms background cycle
 (`set_horovod_defaults`, before `hvd.init()`).
@@ -370,13 +370,6 @@ def _count_gpus():
     import tensorflow as tf
 
     return len(tf.config.list_physical_devices("GPU"))
-
-
-def _count_gpus_without_tf():
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def _is_openmp_build():

@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist import collectives, gpu  # noqa: E402
+from precision_checks import Record  # noqa: E402  (loss scale and weights after every step)
 
 keras = keras_module()
 STEPS, BATCH, BAD_STEP = 6, 16, 2  # global batch; 0-based step whose last row (rank 1's) holds an inf
@@ -77,18 +78,6 @@ def float32_training(strategy, out, reference, results):
             results["timeline_activities"] = timeline_activities(timeline)
     results["weights"] = [w.tolist() for w in model.get_weights()]
     results["variable_devices"] = sorted({getattr(v, "device", None) or v.value.device for v in model.trainable_variables})
-
-
-class Record(keras.callbacks.Callback):
-    def __init__(self, optimizer):
-        super().__init__()
-        self.optimizer_ = optimizer
-        self.steps = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        scale = getattr(self.optimizer_, "dynamic_scale", None)
-        scale = self.optimizer_.loss_scale if scale is None else scale
-        self.steps.append({"scale": float(np.asarray(scale)), "weights": [w.tolist() for w in self.model.get_weights()]})
 
 
 def loss_scaling(strategy, results):
