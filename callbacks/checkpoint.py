@@ -49,6 +49,7 @@ from tfdist.errors import TfdistError
 log = logging.getLogger("tfdist")
 
 STATE_FILE = "state.npz"
+RANK_STATE = "rank_state_"  # state.npz keys of per-rank state (gradient compression), stacked by rank
 MARKER_FILE = "complete.json"
 _NAME = re.compile(r"ckpt-(\d+)")
 
@@ -241,6 +242,7 @@ class Checkpointer(Callback):
         self.restored_from = None  # the checkpoint the last fit resumed from (chief: path)
         self._choice = None
         self._arrays = None
+        self._rank_arrays = []
 
     @property
     def _rank_size(self):
@@ -265,7 +267,9 @@ class Checkpointer(Callback):
                     if found is not None:
                         path, marker = found
                         with np.load(os.path.join(path, STATE_FILE)) as state:
-                            self._arrays = [state[k] for k in sorted(state.files)]
+                            keys = sorted(state.files)
+                            self._arrays = [state[k] for k in keys if not k.startswith(RANK_STATE)]
+                            self._rank_arrays = [state[k] for k in keys if k.startswith(RANK_STATE)]
                         choice.update(epoch=int(marker["epoch"]), path=path, step=marker.get("step"))
                 except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
                     choice["error"] = f"reading checkpoints in {self.directory} failed: {type(e).__name__}: {e}"
@@ -293,6 +297,7 @@ class Checkpointer(Callback):
             if size > 1:
                 value = collectives.broadcast(tf.constant(value), 0, name=f"tfdist.ckpt.{i}")
             variable.assign(value)
+        self._restore_rank_state(choice["path"])
         _compat.set_resume_epoch(self.model, choice["epoch"])
         if rank == 0:  # every rank holds the same state now: one line for the job
             log.warning("tfdist checkpoint: resumed %d rank(s) from %s (optimizer step %s); continuing at epoch %d",
@@ -308,14 +313,19 @@ class Checkpointer(Callback):
             if self._rank_size[0] == 0:  # the loss is global: the same on every rank
                 log.warning("tfdist checkpoint: epoch %d ended with loss %s; not saved", done, loss)
             return
+        rank_state = self._gathered_rank_state()  # a collective: before the chief-only save
         if self._rank_size[0] == 0:
-            self.save(done)
+            self.save(done, rank_state)
 
-    def save(self, epoch):
-        """Write checkpoint `ckpt-<epoch>` (`epoch` epochs finished) now, then prune; chief only."""
+    def save(self, epoch, rank_state=None):
+        """Write checkpoint `ckpt-<epoch>` (`epoch` epochs finished) now, then prune; chief only.
+
+        `rank_state`: every rank's gradient-compression state, as `on_epoch_end` gathers it.
+        """
         variables = training_variables(self.model)
         with rank_variables.local_reads():  # chief only: no collective (on-read state: its own value)
             arrays = {f"v{i:05d}": np.asarray(v) for i, v in enumerate(variables)}
+        arrays.update(rank_state or {})
         optimizer = getattr(self.model, "optimizer", None)
         step = int(np.asarray(optimizer.iterations)) if optimizer is not None else None
         path = write_checkpoint(self.directory, epoch, arrays,
@@ -324,6 +334,49 @@ class Checkpointer(Callback):
         recovery.report_progress(epoch, path, step)  # for tfdist-run --max-restarts; no-op otherwise
         log.info("tfdist checkpoint: saved %s", path)
         return path
+
+    def _compressor(self):
+        strategy = self.strategy or getattr(self.model, "distribute_strategy", None)
+        return getattr(strategy, "compressor", None)
+
+    def _gathered_rank_state(self):
+        """{key: every rank's value stacked} of the gradient compressor's state; every rank calls it."""
+        compressor = self._compressor()
+        if compressor is None:
+            return {}
+        size = self._rank_size[1]
+        gathered = {}
+        for i, variable in enumerate(compressor.state_variables()):
+            value = tf.convert_to_tensor(variable)[None]
+            if size > 1:
+                value = collectives.allgather(value, name=f"tfdist.ckpt.rank_state.{i}")
+            gathered[f"{RANK_STATE}{i:05d}"] = value.numpy()
+        return gathered
+
+    def _restore_rank_state(self, path):
+        """Give each rank its own part of the checkpoint's compression state (chief broadcasts)."""
+        compressor = self._compressor()
+        if compressor is None:
+            return
+        rank, size = self._rank_size
+        layout = [(list(a.shape), a.dtype.str) for a in self._rank_arrays] if rank == 0 else None
+        layout = collectives.broadcast_object(layout, name="tfdist.ckpt.rank_state")
+        saved_ranks = {shape[0] for shape, _ in layout}
+        if saved_ranks and saved_ranks != {size}:
+            if rank == 0:
+                log.warning("tfdist checkpoint: %s holds gradient-compression state of %s rank(s), this job has %d: "
+                            "the error-feedback memories start empty", path, sorted(saved_ranks)[0], size)
+            return
+        mine = []
+        for i, (shape, dtype) in enumerate(layout):
+            value = self._rank_arrays[i] if rank == 0 else np.zeros(shape, dtype)
+            if size > 1:
+                value = collectives.broadcast(tf.constant(value), 0, name=f"tfdist.ckpt.rank_state.{i}").numpy()
+            mine.append(value[rank])
+        try:
+            compressor.restore(mine)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
 
     def on_train_end(self, logs=None):
         # Resuming applies to the fit that restored; a later fit on this model starts as asked.

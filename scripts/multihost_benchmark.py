@@ -47,17 +47,28 @@ class RunFailed(RuntimeError):
 
 
 def parse_mode(name, bucket_mb):
-    """'bucketed' -> ('tfdist', bucket_mb); 'bucketed:4' -> ('tfdist', 4.0); 'one-collective' -> ('tfdist', 0).
+    """A mode name -> (kind, bucket, cycle_ms, compression).
 
-    A suffix '@1' ('horovod@1') runs that mode as a 1-rank job in host 0: its own 1-rank baseline."""
-    base, _, size = name.split("@")[0].partition(":")
+    'bucketed' -> ('tfdist', bucket_mb, None, None); 'bucketed:4' -> 4 MB buckets; 'one-collective'
+    -> bucket 0; 'ready' -> each gradient as it exists (bucket 'ready'); a suffix '~2' sets
+    Horovod's cycle to 2 ms ('ready~2'), '+powersgd:4' / '+topk:0.01' / '+fp16' a compression
+    ('ready+powersgd:4'). A suffix '@1' ('horovod@1') runs that mode as a 1-rank job in host 0.
+    """
+    body = name.split("@")[0]
+    body, _, compression = body.partition("+")
+    body, _, cycle = body.partition("~")
+    base, _, size = body.partition(":")
+    extras = (float(cycle) if cycle else None, compression or None)
     if base == "bucketed":
-        return "tfdist", float(size) if size else bucket_mb
-    if base == "one-collective":
-        return "tfdist", 0.0
-    if base in ("horovod", "mwms", "none") and not size:
-        return base, 0.0
-    raise SystemExit(f"--modes {name!r}: expected bucketed[:MB], one-collective, horovod or mwms")
+        return ("tfdist", float(size) if size else bucket_mb, *extras)
+    if base == "one-collective" and not size:
+        return ("tfdist", 0.0, *extras)
+    if base == "ready" and not size:
+        return ("tfdist", "ready", *extras)
+    if base in ("horovod", "mwms", "none") and not size and extras == (None, None):
+        return base, 0.0, None, None
+    raise SystemExit(f"--modes {name!r}: expected bucketed[:MB], one-collective or ready (each with an "
+                     "optional ~<cycle ms> and +<compression>), horovod or mwms")
 
 
 def clean_env():
@@ -79,13 +90,15 @@ def rank_env(hosts, mode, rank, job):
 
 def launch(hosts, name, args, out_dir, job, timeline=None):
     """Run mode `name` (one rank per host, or the 1-rank baseline in host 0); {rank: result}."""
-    mode, bucket = parse_mode(name, args.bucket_mb)
+    mode, bucket, cycle, compression = parse_mode(name, args.bucket_mb)
     single = mode == "none" or name.endswith("@1")
     ranks = 1 if single else len(hosts.names)
     os.makedirs(out_dir, exist_ok=True)
     argv = [sys.executable, WORKER, "--mode", mode, "--bucket_mb", bucket, "--model", args.model,
             "--batch_size", args.batch_size, "--image_size", args.image_size, "--warmup", args.warmup,
             "--steps", args.steps, "--out", out_dir]
+    argv += ["--cycle_ms", cycle] if cycle is not None else []
+    argv += ["--compression", compression] if compression else []
     procs = []
     try:
         for r in range(ranks):
@@ -141,7 +154,8 @@ def summarize(runs, args, link):
                "run_medians_ms": [round(statistics.median(timed_ms(r["ranks"]["0"])), 1) for r in ok[name]],
                "steps": len(steps[name]), "step_ms": step}
         if base and name != "none" and not name.endswith("@1"):
-            mode, bucket = parse_mode(name, args.bucket_mb)
+            mode, bucket = parse_mode(name, args.bucket_mb)[:2]
+            bucket = args.horovod_model_bucket_mb if bucket == "ready" else bucket
             row.update(exposed_ms=step - base, efficiency=base / step)
             modelled = {"tfdist": bucket, "mwms": 0.0, "horovod": args.horovod_model_bucket_mb}[mode]
             for label, gbit in (("nominal", args.rate_gbit), ("measured", link["goodput_gbit"])):
@@ -165,7 +179,7 @@ def comparisons(rows, args):
         if name.startswith("bucketed") and one and "exposed_ms" in row and one.get("exposed_ms", 0) > 0:
             out[f"{name}: hidden fraction of one-collective's exposed communication"] = 1 - row["exposed_ms"] / one["exposed_ms"]
             out[f"{name}: speed vs one-collective"] = one["step_ms"] / row["step_ms"]
-        if name.startswith("bucketed"):
+        if name.startswith(("bucketed", "ready", "one-collective")):
             for peer in ("horovod", "mwms"):
                 if peer in by:
                     out[f"{name}: speed vs {peer}"] = by[peer]["step_ms"] / row["step_ms"]

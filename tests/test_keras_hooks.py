@@ -17,6 +17,7 @@ from conftest import ROOT, flavor_env
 METRICS, PREDICT, CALLBACKS, PRECISION, QUIET = (
     "global metrics", "predict gathers rows", "chief-only callback writes", "rank-consistent loss scaling",
     "chief-only progress bars")
+GRADIENT_SUM = "gradient-sum marker"
 
 # Run in the child: BREAK (may be empty), then HorovodStrategy(); prints one JSON line.
 CHILD = """
@@ -41,6 +42,8 @@ hooks = {{
     "keras3.BackupAndRestore.on_train_end": keras.callbacks.BackupAndRestore.on_train_end,
     "keras3.TensorBoard.set_model": keras.callbacks.TensorBoard.set_model,
     "keras3.LossScaleOptimizer.check_finite": keras.mixed_precision.LossScaleOptimizer.check_finite,
+    "keras3.LossScaleOptimizer._tf_apply": keras.mixed_precision.LossScaleOptimizer._tf_apply,
+    "keras3.TFOptimizer._all_reduce_sum_gradients": _compat.keras3_tf_optimizer_class("test")._all_reduce_sum_gradients,
     "keras3.fit": keras.Model.fit, "keras3.evaluate": keras.Model.evaluate, "keras3.predict": keras.Model.predict,
 }}
 if _compat.tf_keras_in_use():
@@ -76,6 +79,8 @@ KERAS3_HOOKS = {
     "keras3.BackupAndRestore.on_train_end": CALLBACKS,
     "keras3.TensorBoard.set_model": CALLBACKS,
     "keras3.LossScaleOptimizer.check_finite": PRECISION,
+    "keras3.LossScaleOptimizer._tf_apply": PRECISION,
+    "keras3.TFOptimizer._all_reduce_sum_gradients": GRADIENT_SUM,
     "keras3.fit": QUIET, "keras3.evaluate": QUIET, "keras3.predict": QUIET,
 }
 TF_KERAS_HOOKS = {
@@ -95,7 +100,9 @@ def test_hooks_in_place_on_keras3():
 def test_hooks_in_place_on_tf_keras():
     result = run_child(flavor="tf_keras")
     assert result["keras_module"] == "tf_keras"
-    assert result["hooks"] == {**KERAS3_HOOKS, **TF_KERAS_HOOKS}
+    # tf-keras' gradient sum is recognised by its variable destinations: no marker on Keras 3's
+    assert result["hooks"] == {**KERAS3_HOOKS, "keras3.TFOptimizer._all_reduce_sum_gradients": None,
+                               **TF_KERAS_HOOKS}
 
 
 # (case, flavour, setup code that breaks a hook's target, the hook named, the Keras named)
@@ -114,6 +121,11 @@ BROKEN = [
      "del keras.mixed_precision.LossScaleOptimizer", PRECISION, "keras "),
     ("check_finite gone", "keras3",
      "del keras.mixed_precision.LossScaleOptimizer.check_finite", PRECISION, "keras "),
+    ("_tf_apply gone", "keras3",
+     "del keras.mixed_precision.LossScaleOptimizer._tf_apply", PRECISION, "keras "),
+    ("gradient all-reduce gone", "keras3",
+     "from keras.src.backend.tensorflow.optimizer import TFOptimizer\n"
+     "del TFOptimizer._all_reduce_sum_gradients", GRADIENT_SUM, "keras "),
     ("tf_keras import fails", "tf_keras",  # after Horovod's own import of it
      "import horovod.tensorflow\nsys.modules['tf_keras'] = None  # `import tf_keras` raises ImportError",
      METRICS, "tf_keras "),

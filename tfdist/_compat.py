@@ -44,6 +44,7 @@ _TF_MODULES = {
     "distributed_values": "tensorflow.python.distribute.values",
     "distributed_values_util": "tensorflow.python.distribute.values_util",
     "saveable_object": "tensorflow.python.training.saving.saveable_object",
+    "resource_variable_ops": "tensorflow.python.ops.resource_variable_ops",
 }
 
 
@@ -54,6 +55,18 @@ def __getattr__(name):
         globals()[name] = module
         return module
     raise AttributeError(f"module 'tfdist._compat' has no attribute {name!r}")
+
+
+def rank_local_variable(initial_value, name):
+    """A plain variable of this rank alone: created eagerly (also while a `tf.function` traces),
+    and past every variable creator, so no strategy broadcasts or wraps it (gradient
+    compression's error-feedback state). `ResourceVariable(...)` skips the creator stack that
+    `tf.Variable(...)` runs."""
+    import tensorflow as tf
+
+    with tf.init_scope():
+        return __getattr__("resource_variable_ops").ResourceVariable(
+            initial_value, trainable=False, name=name)
 
 
 def in_xla_context(graph):

@@ -1,4 +1,4 @@
-"""How HorovodStrategy exchanges gradients: one collective, buckets in backprop order, or Adasum.
+"""How HorovodStrategy exchanges gradients: each as it is ready, buckets, one collective, Adasum, compressed.
 
 ```python
 from tfdist import gradient_exchange
@@ -15,9 +15,11 @@ ranks cannot deadlock.
 Adasum (`op="adasum"`) replaces the optimizer's gradient sum only: tf-keras calls
 `batch_reduce_to(SUM, grads_and_vars)` with the variables as destinations; Keras 3 sums gradients
 with `ReplicaContext.all_reduce(SUM, ...)` like synchronized BatchNormalization does its
-statistics, so `install_adasum_marker()` marks the optimizer's call.
+statistics, so `install_gradient_marker()` marks the optimizer's call. Compression
+(`tfdist.compression`) replaces the same sum, and only it.
 """
 
+import contextlib
 import threading
 
 import tensorflow as tf
@@ -25,7 +27,7 @@ import tensorflow as tf
 from tfdist import _compat, collectives
 from tfdist.keras_flavour import legacy_requested
 
-ADASUM_HOOK = "adasum gradient exchange"
+GRADIENT_HOOK = "gradient-sum marker"
 _marked = threading.local()  # .gradients: inside Keras 3's optimizer gradient all-reduce
 
 
@@ -45,48 +47,92 @@ def buckets(values, bucket_bytes):
     return groups + [current] if current else groups
 
 
-def exchange(values, op, compression=None, bucket_bytes=0, adasum=False):
-    """Reduce `values` across ranks: Adasum if `adasum`, else `op`; in buckets if `bucket_bytes`."""
-    def reduce(part):
+def exchange(values, op, compression=None, bucket_bytes=0, adasum=False, compressor=None, variables=None):
+    """Reduce `values` across ranks: Adasum if `adasum`, else `op`.
+
+    `bucket_bytes`: None sends each value as an allreduce of its own the moment it exists
+    (Horovod fuses whatever is ready each cycle), 0 one grouped allreduce, else buckets of about
+    that size. `compressor` (a `tfdist.compression.Compressor`, gradient sums only) exchanges
+    each part compressed, with `variables` (one per value) keying its per-rank state.
+    """
+    def reduce(indices):
+        part = [values[i] for i in indices]
         if adasum:
             return collectives.adasum(part, collectives.size(), compression=compression)
+        if compressor is not None:
+            return compressor.reduce(part, [variables[i] for i in indices])
         return collectives.allreduce(part, op=op, compression=compression)
 
-    if not bucket_bytes:
-        return reduce(values)
+    if bucket_bytes is None:
+        parts = [[i] for i in reversed(range(len(values)))]
+    elif bucket_bytes:
+        parts = buckets(values, bucket_bytes)
+    else:
+        parts = [list(range(len(values)))]
     reduced = [None] * len(values)
-    for bucket in buckets(values, bucket_bytes):
-        for i, r in zip(bucket, reduce([values[i] for i in bucket])):
+    for part in parts:
+        for i, r in zip(part, reduce(part)):
             reduced[i] = r
     return reduced
 
 
 def is_gradient_sum(reduce_op, value_destination_pairs):
-    """Whether this reduction is the optimizer's gradient sum (what op='adasum' replaces).
-
-    `strategy.reduce`, metric sums and synchronized BatchNormalization are not.
-    """
+    """Whether this reduction is the optimizer's gradient sum (what op='adasum' and the
+    compressors replace). `strategy.reduce`, metric sums and synchronized BatchNormalization are
+    not."""
     if reduce_op != tf.distribute.ReduceOp.SUM:
         return False
     return getattr(_marked, "gradients", False) or all(
         isinstance(d, tf.Variable) for _, d in value_destination_pairs)
 
 
-def install_adasum_marker():
-    """Mark Keras 3's gradient all-reduce, so that op='adasum' replaces that sum and no other."""
+def gradient_variables(value_destination_pairs):
+    """The variable of each gradient in a gradient sum (tf-keras: the destinations; Keras 3:
+    what the marked optimizer call holds), or None where they are not known."""
+    marked = getattr(_marked, "variables", None)
+    if marked is not None and len(marked) == len(value_destination_pairs):
+        return marked
+    destinations = [d for _, d in value_destination_pairs]
+    return destinations if all(isinstance(d, tf.Variable) for d in destinations) else None
+
+
+@contextlib.contextmanager
+def reduced_already():
+    """Inside, Keras 3 optimizers take their gradients as already summed across ranks (tfdist's
+    LossScaleOptimizer hook reduces before its finite check, as tf-keras does)."""
+    outer, _marked.reduced = getattr(_marked, "reduced", False), True
+    try:
+        yield
+    finally:
+        _marked.reduced = outer
+
+
+def is_reduced_already():
+    return getattr(_marked, "reduced", False)
+
+
+def install_gradient_marker():
+    """Mark Keras 3's gradient all-reduce, so that op='adasum' and compression replace that sum
+    and no other, and skip it for gradients `reduced_already`."""
     if legacy_requested():
         return  # tf-keras' exchange is recognised by its variable destinations
-    cls = _compat.keras3_tf_optimizer_class(ADASUM_HOOK)
-    if _compat.hook_of(vars(cls).get("_all_reduce_sum_gradients")) == ADASUM_HOOK:
+    cls = _compat.keras3_tf_optimizer_class(GRADIENT_HOOK)
+    if _compat.hook_of(vars(cls).get("_all_reduce_sum_gradients")) == GRADIENT_HOOK:
         return
 
     def wrap(original):
         def _all_reduce_sum_gradients(self, grads_and_vars):
-            outer, _marked.gradients = getattr(_marked, "gradients", False), True
+            grads_and_vars = list(grads_and_vars)
+            if getattr(_marked, "reduced", False):
+                return grads_and_vars
+            outer = getattr(_marked, "gradients", False), getattr(_marked, "variables", None)
+            _marked.gradients = True
+            _marked.variables = [v if isinstance(v, tf.Variable) else v.value for g, v in grads_and_vars
+                                 if g is not None]
             try:
                 return original(self, grads_and_vars)
             finally:
-                _marked.gradients = outer
+                _marked.gradients, _marked.variables = outer
         return _all_reduce_sum_gradients
 
-    _compat.patch_method(cls, "_all_reduce_sum_gradients", wrap, ADASUM_HOOK)
+    _compat.patch_method(cls, "_all_reduce_sum_gradients", wrap, GRADIENT_HOOK)

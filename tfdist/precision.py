@@ -8,10 +8,11 @@ policy = tfdist.precision.set_policy("auto")   # mixed_float16 / mixed_bfloat16 
 
 Loss scaling: Keras 3's `LossScaleOptimizer` decides to apply or skip a step from each rank's
 *local* gradients, before they are all-reduced. If one rank overflows and another does not, one
-rank enters the gradient allreduce and the other skips it, and the job hangs. Under
-`HorovodStrategy` tfdist makes that decision global: a rank's "all finite" flag is combined
-across ranks first, so every rank skips or applies the same step and the loss scale stays
-identical. (tf-keras all-reduces gradients before checking them, so it needs no change.)
+rank enters the gradient allreduce and the other skips it, and the job hangs; and no gradient
+can leave before the check has seen the last one. Under `HorovodStrategy` tfdist all-reduces
+first and checks the reduced gradients, as tf-keras does: the exchange starts during backprop,
+every rank sees the same sum (an overflow anywhere is inf/nan everywhere), so every rank skips
+or applies the same step and the loss scale stays identical.
 """
 
 import logging
@@ -92,27 +93,47 @@ def float32_softmax(logits_model, name="probabilities"):
 
 
 def install():
-    """Make Keras 3's LossScaleOptimizer decide apply/skip from all ranks' gradients.
+    """Make Keras 3's LossScaleOptimizer all-reduce before its finite check, under HorovodStrategy.
 
-    Raises `KerasHookError` (naming the Keras version) if the class or its `check_finite` moved.
+    With gradient accumulation (reduced once per k steps) it reduces as Keras does and agrees on
+    the finite flag with one tiny allreduce instead. Raises `KerasHookError` (naming the Keras
+    version) if the class, its `_tf_apply` or `check_finite` moved.
     """
     global _installed
     if _installed:
         return
+    from tfdist import gradient_exchange
 
-    def wrap(local_check):
+    def wrap_check(local_check):
         def check_finite(self, grads):
             finite = local_check(self, grads)
-            if not _under_horovod():
+            if not _under_horovod() or gradient_exchange.is_reduced_already():
                 return finite
-            # One tiny allreduce that every rank issues, whatever its own gradients hold.
+            # Gradients not reduced first (gradient accumulation): one tiny allreduce that every
+            # rank issues, whatever its own gradients hold.
             overflowed = collectives.allreduce([tf.cast(tf.logical_not(finite), tf.int32)], op="sum",
                                                scope="tfdist_loss_scale_agreement")[0]
             return tf.equal(overflowed, 0)
 
         return check_finite
 
-    _compat.patch_method(_compat.keras3_loss_scale_optimizer(HOOK), "check_finite", wrap, HOOK)
+    def wrap(original):
+        def _tf_apply(self, grads, trainable_variables=None):
+            if not _under_horovod() or getattr(self.inner_optimizer, "gradient_accumulation_steps", None):
+                return original(self, grads, trainable_variables)
+            variables = list(trainable_variables or self._trainable_variables)
+            # The inner optimizer's own gradient sum (so op="adasum" and compression apply),
+            # started as each gradient exists; the inner apply then takes the sum as it is.
+            reduced = [g for g, _ in self.inner_optimizer._all_reduce_sum_gradients(list(zip(grads, variables)))]
+            with gradient_exchange.reduced_already():
+                return original(self, reduced, trainable_variables)
+
+        return _tf_apply
+
+    cls = _compat.keras3_loss_scale_optimizer(HOOK)
+    _compat.require_methods(cls, ["_tf_apply", "check_finite"], HOOK)
+    _compat.patch_method(cls, "_tf_apply", wrap, HOOK)
+    _compat.patch_method(cls, "check_finite", wrap_check, HOOK)
     _installed = True
 
 

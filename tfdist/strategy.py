@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tfdist import _compat, chief_saves, collectives, consistency, gradient_exchange, input_contract, keras_callbacks
 from tfdist import keras_metrics, keras_predict, quiet_ranks, rank_variables
+from tfdist import compression as compression_lib
 from tfdist import watchdog as watchdog_lib
 from tfdist import gpu as gpu_lib
 from tfdist import precision as precision_lib
@@ -122,24 +123,29 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         if batch_convention not in ("global", "per_rank"):
             raise ValueError(f"batch_convention={batch_convention!r}: expected 'global' (the "
                              "tf.distribute contract) or 'per_rank' (Horovod's)")
-        compression = collectives.compression(compression)
+        compression, compressor = compression_lib.parse(compression)
         if op not in ("average", "adasum"):
             raise ValueError(f"op={op!r}: HorovodStrategy supports op='average' or op='adasum'")
         if op == "adasum":
+            if compressor is not None:
+                raise ValueError(f"op='adasum' with compression={compressor.describe()!r}: Adasum combines whole "
+                                 "gradients; use one or the other")
             if collectives.adasum_refusal():
                 raise ValueError(collectives.adasum_refusal())
-            gradient_exchange.install_adasum_marker()
+        gradient_exchange.install_gradient_marker()
         if gpu_lib.is_gpu_request(device):
             device = gpu_lib.require_gpu(device, collectives.rank(), collectives.local_rank())
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
-        if bucket_mb < 0:
-            raise ValueError(f"bucket_mb={bucket_mb}: expected 0 (one collective) or a size in MB")
+        if bucket_mb is not None and bucket_mb < 0:
+            raise ValueError(f"bucket_mb={bucket_mb}: expected None (each gradient as it is ready), 0 (one "
+                             "collective) or a size in MB")
         extended = HorovodExtended(
             self, device, compression=compression, check_variables=check_variables,
             check_datasets=check_consistency, global_batch=batch_convention == "global",
-            bucket_bytes=int(bucket_mb * (1 << 20)), adasum=op == "adasum",
+            bucket_bytes=None if bucket_mb is None else int(bucket_mb * (1 << 20)), adasum=op == "adasum",
+            compressor=compressor,
         )
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
         tf.distribute.Strategy.__init__(self, extended)
@@ -177,6 +183,11 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         return collectives.local_size()
 
     @property
+    def compressor(self):
+        """The `tfdist.compression.Compressor` of the gradient exchange, or None."""
+        return self.extended._compressor
+
+    @property
     def is_chief(self):
         return self.rank == 0
 
@@ -199,13 +210,14 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
     """The strategy's implementation: OneDevice placement plus Horovod collectives."""
 
     def __init__(self, container_strategy, device, compression=None, check_variables=True,
-                 check_datasets=True, global_batch=True, bucket_bytes=0, adasum=False):
+                 check_datasets=True, global_batch=True, bucket_bytes=0, adasum=False, compressor=None):
         super().__init__(container_strategy, device)
         # What Strategy.cluster_resolver returns: every rank a "worker", task_id = rank.
         self._cluster_resolver = HorovodClusterResolver.for_this_job()
         self._adasum = adasum
         self._check_next_dataset = check_datasets and collectives.size() > 1
         self._compression = compression
+        self._compressor = compressor
         self._bucket_bytes = bucket_bytes
         self._check_variables = check_variables
         self._global_batch = global_batch
@@ -379,9 +391,12 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         if collectives.size() == 1:
             return values
         collectives.check_not_in_xla("HorovodStrategy's allreduce")
+        gradient_sum = gradient_exchange.is_gradient_sum(reduce_op, value_destination_pairs)
+        variables = gradient_exchange.gradient_variables(value_destination_pairs) if gradient_sum else None
         return gradient_exchange.exchange(
             values, _REDUCE_OPS[reduce_op], compression=self._compression, bucket_bytes=self._bucket_bytes,
-            adasum=self._adasum and gradient_exchange.is_gradient_sum(reduce_op, value_destination_pairs))
+            adasum=self._adasum and gradient_sum, variables=variables,
+            compressor=self._compressor if variables is not None else None)
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         value = _compat.distribute_utils.select_replica(0, value)

@@ -6,7 +6,8 @@
         --steps 5 --out /tmp/run1
 
 Modes, all on tf-keras and the same model:
-  tfdist   HorovodStrategy(bucket_mb=...) + model.fit (bucket_mb 0: one collective per dtype)
+  tfdist   HorovodStrategy(bucket_mb=..., compression=...) + model.fit (bucket_mb 0: one collective
+           per dtype, 'ready': each gradient as it exists); --cycle_ms sets Horovod's cycle
   horovod  Horovod's documented loop: hvd.DistributedGradientTape + hvd.broadcast_variables, after
            tfdist.launch.prepare() turned the SLURM_* variables into Horovod's Gloo environment
   mwms     tf.distribute.MultiWorkerMirroredStrategy + model.fit, workers from TF_CONFIG
@@ -25,7 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mlp:wide_mlp
 
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 PARSER.add_argument("--mode", required=True, choices=["tfdist", "horovod", "mwms", "none"])
-PARSER.add_argument("--bucket_mb", type=float, default=0)
+PARSER.add_argument("--bucket_mb", default="0", help="MB, or 'ready' (each gradient as it exists)")
+PARSER.add_argument("--cycle_ms", type=float, default=None, help="Horovod cycle for tfdist (default: tfdist's)")
+PARSER.add_argument("--compression", default=None, help="HorovodStrategy(compression=...)")
 PARSER.add_argument("--model", default="resnet50", help="a tfdist-benchmark model, or mlp:wide_mlp")
 PARSER.add_argument("--batch_size", type=int, default=8, help="per rank")
 PARSER.add_argument("--image_size", type=int, default=224)
@@ -56,8 +59,10 @@ def main():
     keras, bargs = keras_module(), benchmark_args(args)
     launched, strategy = "one process", None
     if args.mode == "tfdist":
-        strategy = tfdist.HorovodStrategy(bucket_mb=args.bucket_mb)
-        launched = (f"HorovodStrategy(bucket_mb={args.bucket_mb:g}), rank {strategy.rank} of {strategy.size} on "
+        bucket_mb = None if args.bucket_mb == "ready" else float(args.bucket_mb)
+        knobs = {} if args.cycle_ms is None else {"cycle_time_ms": args.cycle_ms}
+        strategy = tfdist.HorovodStrategy(bucket_mb=bucket_mb, horovod=knobs, compression=args.compression)
+        launched = (f"HorovodStrategy(bucket_mb={bucket_mb}, horovod={knobs}, compression={args.compression}), rank {strategy.rank} of {strategy.size} on "
                     f"{os.environ.get('HOROVOD_HOSTNAME')}, interface {os.environ.get('HOROVOD_GLOO_IFACE')}, "
                     f"rendezvous {os.environ.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}")
     elif args.mode == "horovod":

@@ -1,0 +1,261 @@
+"""Gradient compression with error feedback: PowerSGD (low rank) and top-k (sparse).
+
+```python
+import tfdist
+strategy = tfdist.HorovodStrategy(compression="powersgd:4")   # rank 4; or "topk:0.01" (1% density)
+strategy = tfdist.HorovodStrategy(compression=tfdist.compression.PowerSGD(rank=2))
+```
+
+Both replace only the optimizer's gradient sum (`fit`, `optimizer.apply_gradients`), as
+`op="adasum"` does; `strategy.reduce`, metrics and synchronized BatchNormalization stay exact.
+Each rank adds its error-feedback memory (what earlier steps' compression left out) to its
+gradient before compressing and keeps what is left out this time, so nothing is lost, only
+delayed. Every rank computes the same update from the same exchanged bytes, so weights stay
+identical across ranks.
+
+- `PowerSGD(rank)` (Vogels et al., 2019): each gradient of 2 or more dimensions, seen as a
+  matrix M (rows = all but the last axis), is replaced by P Q^T: P = sum_ranks(M Q) is
+  all-reduced and orthonormalized, then Q = sum_ranks(M^T P) is all-reduced. Q is kept as the
+  next step's starting point (warm start). Biases, BatchNorm and other small tensors, where
+  (rows + cols) * rank * `min_compression_rate` > rows * cols, go uncompressed.
+- `TopK(density)`: each rank sends the `density` fraction of its gradient entries largest in
+  magnitude, values and indices, by allgather; every rank adds all ranks' entries up in rank
+  order. Tensors too small to gain go uncompressed.
+
+The state (per rank: error memories, PowerSGD's Q) is kept in variables created on the first
+step; `callbacks.Checkpointer` saves and restores it for every rank (`state_variables`,
+`restore`). A step whose compressed result is not finite (a loss-scale overflow) leaves the
+state as it was. With loss scaling the memories are in loss-scaled units (as PyTorch's
+communication hooks under AMP).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist import _compat, collectives
+
+
+class Compressor:
+    """Base class: per-rank state in creation order, and the gradient-sum exchange.
+
+    Subclasses implement `reduce(values, variables)`: the sum over ranks of each value (one per
+    variable), computed from compressed messages.
+    """
+
+    name = "compressor"
+
+    def __init__(self):
+        self._state = {}  # variable ref -> this compressor's state variables for it
+        self._order = []  # every state variable, in creation order (the same on every rank)
+        self._pending = []  # arrays from a checkpoint, for state created after the restore
+
+    def state_variables(self):
+        """This rank's state variables, in creation order (what a checkpoint stores per rank)."""
+        return list(self._order)
+
+    def restore(self, arrays):
+        """Load this rank's state from `arrays` (numpy, in `state_variables` order).
+
+        State not created yet (the first step has not run) is loaded when it is created.
+        Raises ValueError naming the variable whose shape differs.
+        """
+        arrays = [np.asarray(a) for a in arrays]
+        existing = self._order[:len(arrays)]
+        for variable, array in zip(existing, arrays):
+            self._check_shape(variable.name, variable.shape, array)
+            variable.assign(array)
+        self._pending = arrays[len(existing):]
+
+    def describe(self):
+        return self.name
+
+    def _state_for(self, variable, initial_values):
+        key = variable.ref() if isinstance(variable, tf.Variable) else id(variable)
+        if key not in self._state:
+            made = []
+            for kind, value in initial_values:
+                name = f"tfdist_{self.name}_{kind}_{len(self._order)}"
+                if self._pending:
+                    array = self._pending.pop(0)
+                    self._check_shape(name, value.shape, array)
+                    value = array.astype(value.dtype)
+                made.append(_compat.rank_local_variable(value, name))
+                self._order.append(made[-1])
+            self._state[key] = tuple(made)
+        return self._state[key]
+
+    @staticmethod
+    def _check_shape(name, shape, array):
+        if tuple(shape) != tuple(array.shape):
+            raise ValueError(f"gradient compression state {name}: the checkpoint holds shape {tuple(array.shape)}, "
+                             f"this model needs {tuple(shape)} (a different model or compression setting)")
+
+
+def _is_dense_float(value):
+    return (not isinstance(value, tf.IndexedSlices) and value.dtype.is_floating
+            and value.shape.is_fully_defined())
+
+
+def _keep_if_finite(result, updates):
+    """Assign each (variable, new value) only if `result` is all finite; keep the old state else."""
+    finite = tf.reduce_all(tf.math.is_finite(result))
+    return [variable.assign(tf.where(finite, new, old)) for variable, new, old in updates]
+
+
+class PowerSGD(Compressor):
+    """Rank-`rank` PowerSGD with error feedback and warm-started Q.
+
+    Args:
+        rank: the rank of each gradient matrix's approximation (4 is a common start; higher is
+            closer to exact and sends more).
+        min_compression_rate: compress a rows x cols matrix only if it sends at least this many
+            times fewer numbers: rows * cols >= rate * (rows + cols) * rank. 0 compresses every
+            matrix (a rank-full approximation is then exact).
+        seed: the seed of Q's first value (the same on every rank).
+
+    Example: `tfdist.HorovodStrategy(compression=tfdist.compression.PowerSGD(rank=4))`.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank=4, min_compression_rate=2.0, seed=0):
+        super().__init__()
+        if int(rank) < 1:
+            raise ValueError(f"PowerSGD rank={rank}: expected an integer >= 1")
+        self.rank, self.min_compression_rate, self.seed = int(rank), float(min_compression_rate), int(seed)
+
+    def describe(self):
+        return f"powersgd:{self.rank}"
+
+    def plan(self, shape):
+        """(rows, cols, rank) if a gradient of `shape` is compressed, else None."""
+        if len(shape) < 2:
+            return None
+        rows, cols = int(np.prod(shape[:-1])), int(shape[-1])
+        rank = min(self.rank, rows, cols)
+        if rows * cols < self.min_compression_rate * (rows + cols) * rank:
+            return None
+        return rows, cols, rank
+
+    @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
+    def reduce(self, values, variables):
+        out = [None] * len(values)
+        plans = [self.plan(v.shape.as_list()) if _is_dense_float(v) else None for v in values]
+        plain = [i for i, p in enumerate(plans) if p is None]
+        for i, r in zip(plain, collectives.allreduce([values[i] for i in plain], op="sum",
+                                                     scope="tfdist_powersgd_uncompressed") if plain else []):
+            out[i] = r
+        low = [i for i, p in enumerate(plans) if p is not None]
+        if not low:
+            return out
+        matrices, states = [], []
+        for i in low:
+            rows, cols, rank = plans[i]
+            q0 = np.random.RandomState(self.seed + len(self._order)).standard_normal((cols, rank)).astype(np.float32)
+            error, q = self._state_for(variables[i], [("error", np.zeros((rows, cols), np.float32)), ("q", q0)])
+            old_error, old_q = error.read_value(), q.read_value()
+            matrices.append(tf.reshape(tf.cast(values[i], tf.float32), [rows, cols]) + old_error)
+            states.append((error, q, old_error, old_q))
+        ps = collectives.allreduce([tf.matmul(m, s[3]) for m, s in zip(matrices, states)], op="sum",
+                                   scope="tfdist_powersgd_p")
+        ps = [tf.linalg.qr(p).q for p in ps]
+        qs = collectives.allreduce([tf.matmul(m, p, transpose_a=True) for m, p in zip(matrices, ps)], op="sum",
+                                   scope="tfdist_powersgd_q")
+        size = float(collectives.size())
+        for i, m, p, q, (error, q_var, old_error, old_q) in zip(low, matrices, ps, qs, states):
+            total = tf.matmul(p, q, transpose_b=True)
+            # This rank's memory: what its matrix holds beyond its share of the approximation.
+            _keep_if_finite(total, [(error, m - total / size, old_error), (q_var, q, old_q)])
+            out[i] = tf.cast(tf.reshape(total, values[i].shape), values[i].dtype)
+        return out
+
+
+class TopK(Compressor):
+    """Top-k sparsification with error feedback; values and indices travel by allgather.
+
+    Args:
+        density: the fraction of each gradient's entries a rank sends (0 < density < 0.5).
+        min_entries: tensors with fewer entries go uncompressed.
+
+    Example: `tfdist.HorovodStrategy(compression=tfdist.compression.TopK(density=0.01))`.
+    """
+
+    name = "topk"
+
+    def __init__(self, density=0.01, min_entries=1024):
+        super().__init__()
+        if not 0 < float(density) < 0.5:
+            raise ValueError(f"TopK density={density}: expected 0 < density < 0.5 (values and indices "
+                             "both travel, so 0.5 or more sends more than the dense gradient)")
+        self.density, self.min_entries = float(density), int(min_entries)
+
+    def describe(self):
+        return f"topk:{self.density:g}"
+
+    def plan(self, shape):
+        """Entries sent (k) if a gradient of `shape` is compressed, else None."""
+        entries = int(np.prod(shape)) if shape else 1
+        if entries < self.min_entries:
+            return None
+        return max(1, int(round(entries * self.density)))
+
+    @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
+    def reduce(self, values, variables):
+        out = [None] * len(values)
+        plans = [self.plan(v.shape.as_list()) if _is_dense_float(v) else None for v in values]
+        plain = [i for i, p in enumerate(plans) if p is None]
+        for i, r in zip(plain, collectives.allreduce([values[i] for i in plain], op="sum",
+                                                     scope="tfdist_topk_uncompressed") if plain else []):
+            out[i] = r
+        sparse = [i for i, p in enumerate(plans) if p is not None]
+        if not sparse:
+            return out
+        flats, picks, states = [], [], []
+        for i in sparse:
+            entries = values[i].shape.num_elements()
+            (error,) = self._state_for(variables[i], [("error", np.zeros((entries,), np.float32))])
+            old_error = error.read_value()
+            flat = tf.reshape(tf.cast(values[i], tf.float32), [-1]) + old_error
+            _, indices = tf.math.top_k(tf.abs(flat), plans[i], sorted=True)
+            flats.append(flat)
+            picks.append((tf.gather(flat, indices), indices))
+            states.append((error, old_error))
+        size = collectives.size()
+        total_k = sum(plans[i] for i in sparse)
+        all_values = tf.reshape(collectives.allgather(tf.concat([v for v, _ in picks], 0), scope="tfdist_topk_values"),
+                                [size, total_k])
+        all_indices = tf.reshape(collectives.allgather(tf.concat([ix for _, ix in picks], 0),
+                                                       scope="tfdist_topk_indices"), [size, total_k])
+        start = 0
+        for i, flat, (mine, indices), (error, old_error) in zip(sparse, flats, picks, states):
+            k, entries = plans[i], flat.shape[0]
+            total = tf.zeros([entries], tf.float32)
+            for r in range(size):  # rank order, one scatter per rank (unique indices): deterministic
+                total += tf.scatter_nd(all_indices[r, start:start + k, None], all_values[r, start:start + k], [entries])
+            start += k
+            sent = tf.scatter_nd(indices[:, None], mine, [entries])
+            _keep_if_finite(total, [(error, flat - sent, old_error)])
+            out[i] = tf.cast(tf.reshape(total, values[i].shape), values[i].dtype)
+        return out
+
+
+def parse(value):
+    """(Horovod compression or None, Compressor or None) from `HorovodStrategy(compression=...)`.
+
+    Accepts None, "none", "fp16", "powersgd", "powersgd:<rank>", "topk", "topk:<density>", a
+    `Compressor` or a `horovod.tensorflow.Compression`.
+    """
+    if isinstance(value, Compressor):
+        return None, value
+    if isinstance(value, str) and value.partition(":")[0] in ("powersgd", "topk"):
+        kind, _, arg = value.partition(":")
+        try:
+            if kind == "powersgd":
+                return None, PowerSGD(rank=int(arg) if arg else 4)
+            return None, TopK(density=float(arg) if arg else 0.01)
+        except ValueError as e:
+            raise ValueError(f"compression={value!r}: {e}") from None
+    if isinstance(value, str) and value not in ("none", "fp16"):
+        raise ValueError(f"compression={value!r}: expected None, 'none', 'fp16', 'powersgd[:rank]' or "
+                         "'topk[:density]'")
+    return collectives.compression(value), None
