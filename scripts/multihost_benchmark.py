@@ -99,6 +99,7 @@ def launch(hosts, name, args, out_dir, job, timeline=None):
             "--steps", args.steps, "--out", out_dir]
     argv += ["--cycle_ms", cycle] if cycle is not None else []
     argv += ["--compression", compression] if compression else []
+    argv += ["--keras", args.keras] + (["--loss_scale"] if args.loss_scale else [])
     procs = []
     try:
         for r in range(ranks):
@@ -229,6 +230,9 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", default=["bucketed", "one-collective", "horovod", "mwms"])
     parser.add_argument("--bucket_mb", type=float, default=25)
     parser.add_argument("--no_baseline", action="store_true")
+    parser.add_argument("--keras", choices=["tf_keras", "keras3"], default="tf_keras", help="every mode's Keras")
+    parser.add_argument("--loss_scale", action="store_true",
+                        help="every Keras mode wraps its optimizer in LossScaleOptimizer (float32 policy)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfdist import predict
+from tfdist import compression_plan, predict
 
 RESNET50 = predict.Rank(compute_s=0.1982, gradient_bytes=102.2e6)  # seed: 161.45 images/s per GPU at batch 32
 
@@ -80,3 +80,41 @@ def test_nonsense_numbers_are_rejected_at_parse_time_naming_the_flag(flag, value
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and value.lstrip("-") in err
+
+
+def test_compression_wire_bytes_and_flops_by_hand():
+    shapes = [[300, 200], [200], [10, 10]]  # dense kernel, bias, and a matrix too small for rank 4
+    assert compression_plan.wire_bytes(shapes, "none", 2) == ((60000 + 200 + 100) * 4, 0.0)
+    assert compression_plan.wire_bytes(shapes, "fp16", 2)[0] == (60000 + 200 + 100) * 2
+    # PowerSGD rank 4: (300 + 200) * 4 numbers for the kernel; the bias and 10x10 (100 < 2*20*4) sent whole
+    wire, flops = compression_plan.wire_bytes(shapes, "powersgd:4", 2)
+    assert wire == (500 * 4 + 200 + 100) * 4 and flops == 6 * 300 * 200 * 4
+    # top-k 1%: 600 values + 600 indices from each of N ranks, as an allreduce of 4*N*k bytes
+    for ranks in (2, 8):
+        wire, _ = compression_plan.wire_bytes(shapes, "topk:0.01", ranks)
+        assert wire == ranks * 600 * 8 / 2 + (200 + 100) * 4
+
+
+def test_prediction_with_compression_sends_less_and_adds_compute(capsys):
+    rank = predict.Rank(compute_s=1.8, gradient_bytes=134.1e6)
+    link = predict.Link(1, 5)
+    shapes = [[3072, 2048], [2048]] + [[2048, 2048], [2048]] * 6 + [[2048, 1000], [1000]]
+    plain = predict.table(rank, link, [2], 1, 0, None)[0]
+    low_rank = predict.table(rank, link, [2], 1, 0, None, "powersgd:4", shapes)[0]
+    assert low_rank["wire_mb"] < plain["wire_mb"] / 100 and low_rank["compress_ms"] > 0
+    assert low_rank["step_ms"] < plain["step_ms"]
+    assert predict.main(["--compute_ms", "1800", "--gradient_mb", "134.1", "--bandwidth_gbit", "1", "--ranks", "2",
+                         "--compression", "none", "topk:0.01", "powersgd:4",
+                         "--shapes", "3072x2048", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "one collective, powersgd:4 | 2 |" in out and "wire MB" in out
+
+
+@pytest.mark.parametrize("args,named", [(["--compression", "powersgd:0"], "powersgd:0"),
+                                        (["--compression", "topk:0.9"], "topk:0.9"),
+                                        (["--shapes", "3x"], "--shapes"),
+                                        (["--compression", "powersgd:4"], "--model or --shapes")])
+def test_compression_arguments_are_checked_naming_them(args, named, capsys):
+    with pytest.raises(SystemExit):
+        predict.main(["--compute_ms", "100", "--gradient_mb", "10", "--bandwidth_gbit", "1", *args])
+    assert named in capsys.readouterr().err

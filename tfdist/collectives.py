@@ -180,24 +180,19 @@ def _op(name):
         raise ValueError(f"unknown reduction {name!r}; expected one of {sorted(_OPS)}") from None
 
 
-def allreduce(tensors, op="sum", name=None, compression=None, scope="tfdist_allreduce", grouped=True):
+def allreduce(tensors, op="sum", name=None, compression=None, scope="tfdist_allreduce"):
     """Reduce a list of tensors (dense or `tf.IndexedSlices`) across ranks, fused by dtype.
 
     The list order must be the same on every rank. Tensors of one dtype go into one grouped
     allreduce, which Horovod fuses into as few collectives as its fusion buffer allows.
-    `grouped=False` makes each tensor an allreduce of its own, enqueued the moment it exists:
-    Horovod then fuses whatever is ready on every rank each cycle.
     An average of integer tensors is a floor division of the sum, keeping the dtype.
     `scope` names it in the profiler's trace viewer (see `named`).
     """
     with named(scope):
-        if grouped:
-            return _allreduce(list(tensors), op, name, compression)
-        return [_allreduce([t], op, None if name is None else f"{name}.{i}", compression, single=True)[0]
-                for i, t in enumerate(tensors)]
+        return _allreduce(list(tensors), op, name, compression)
 
 
-def _allreduce(tensors, op, name, compression, single=False):
+def _allreduce(tensors, op, name, compression):
     hvd = horovod()
     by_dtype = {}
     for i, t in enumerate(tensors):
@@ -210,13 +205,10 @@ def _allreduce(tensors, op, name, compression, single=False):
         kwargs = {"op": _op(group_op)}
         if compression is not None and dtype.is_floating:
             kwargs["compression"] = compression
-        group_name = graph_name("HorovodAllreduce" if single else "HorovodGroupedAllreduce", name)
+        group_name = graph_name("HorovodGroupedAllreduce", name)
         if group_name is not None:
             kwargs["name"] = f"{group_name}.{dtype.name}"
-        if single:
-            reduced = [hvd.allreduce(tensors[indices[0]], **kwargs)]
-        else:
-            reduced = hvd.grouped_allreduce([tensors[i] for i in indices], **kwargs)
+        reduced = hvd.grouped_allreduce([tensors[i] for i in indices], **kwargs)
         for i, r in zip(indices, reduced):
             out[i] = r // hvd.size() if group_op != op else r
     return out

@@ -32,7 +32,7 @@ communication hooks under AMP).
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _compat, collectives
+from tfdist import _compat, collectives, compression_plan
 
 
 class Compressor:
@@ -96,10 +96,17 @@ def _is_dense_float(value):
             and value.shape.is_fully_defined())
 
 
-def _keep_if_finite(result, updates):
-    """Assign each (variable, new value) only if `result` is all finite; keep the old state else."""
-    finite = tf.reduce_all(tf.math.is_finite(result))
-    return [variable.assign(tf.where(finite, new, old)) for variable, new, old in updates]
+def _keep_if_finite(finite, updates):
+    """Assign each (variable, new value) if `finite` (a scalar, the same on every rank); else keep
+    the old state (a loss-scale overflow step, which every rank skips)."""
+    def assign():
+        return tf.group([variable.assign(new) for variable, new in updates])
+
+    return tf.cond(finite, assign, tf.no_op)
+
+
+def _all_finite(tensors):
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
 class PowerSGD(Compressor):
@@ -129,13 +136,7 @@ class PowerSGD(Compressor):
 
     def plan(self, shape):
         """(rows, cols, rank) if a gradient of `shape` is compressed, else None."""
-        if len(shape) < 2:
-            return None
-        rows, cols = int(np.prod(shape[:-1])), int(shape[-1])
-        rank = min(self.rank, rows, cols)
-        if rows * cols < self.min_compression_rate * (rows + cols) * rank:
-            return None
-        return rows, cols, rank
+        return compression_plan.powersgd_plan(shape, self.rank, self.min_compression_rate)
 
     @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
     def reduce(self, values, variables):
@@ -153,20 +154,23 @@ class PowerSGD(Compressor):
             rows, cols, rank = plans[i]
             q0 = np.random.RandomState(self.seed + len(self._order)).standard_normal((cols, rank)).astype(np.float32)
             error, q = self._state_for(variables[i], [("error", np.zeros((rows, cols), np.float32)), ("q", q0)])
-            old_error, old_q = error.read_value(), q.read_value()
-            matrices.append(tf.reshape(tf.cast(values[i], tf.float32), [rows, cols]) + old_error)
-            states.append((error, q, old_error, old_q))
-        ps = collectives.allreduce([tf.matmul(m, s[3]) for m, s in zip(matrices, states)], op="sum",
+            matrices.append(tf.reshape(tf.cast(values[i], tf.float32), [rows, cols]) + error.read_value())
+            states.append((error, q))
+        ps = collectives.allreduce([tf.matmul(m, q.read_value()) for m, (_, q) in zip(matrices, states)], op="sum",
                                    scope="tfdist_powersgd_p")
         ps = [tf.linalg.qr(p).q for p in ps]
         qs = collectives.allreduce([tf.matmul(m, p, transpose_a=True) for m, p in zip(matrices, ps)], op="sum",
                                    scope="tfdist_powersgd_q")
         size = float(collectives.size())
-        for i, m, p, q, (error, q_var, old_error, old_q) in zip(low, matrices, ps, qs, states):
+        # Any inf/nan in a rank's matrix reaches every rank's summed Q: one decision for all ranks.
+        finite = _all_finite(qs)
+        updates = []
+        for i, m, p, q, (error, q_var) in zip(low, matrices, ps, qs, states):
             total = tf.matmul(p, q, transpose_b=True)
             # This rank's memory: what its matrix holds beyond its share of the approximation.
-            _keep_if_finite(total, [(error, m - total / size, old_error), (q_var, q, old_q)])
+            updates += [(error, m - total / size), (q_var, q)]
             out[i] = tf.cast(tf.reshape(total, values[i].shape), values[i].dtype)
+        _keep_if_finite(finite, updates)
         return out
 
 
@@ -194,10 +198,7 @@ class TopK(Compressor):
 
     def plan(self, shape):
         """Entries sent (k) if a gradient of `shape` is compressed, else None."""
-        entries = int(np.prod(shape)) if shape else 1
-        if entries < self.min_entries:
-            return None
-        return max(1, int(round(entries * self.density)))
+        return compression_plan.topk_plan(shape, self.density, self.min_entries)
 
     @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
     def reduce(self, values, variables):
@@ -214,28 +215,28 @@ class TopK(Compressor):
         for i in sparse:
             entries = values[i].shape.num_elements()
             (error,) = self._state_for(variables[i], [("error", np.zeros((entries,), np.float32))])
-            old_error = error.read_value()
-            flat = tf.reshape(tf.cast(values[i], tf.float32), [-1]) + old_error
+            flat = tf.reshape(tf.cast(values[i], tf.float32), [-1]) + error.read_value()
             _, indices = tf.math.top_k(tf.abs(flat), plans[i], sorted=True)
             flats.append(flat)
             picks.append((tf.gather(flat, indices), indices))
-            states.append((error, old_error))
+            states.append(error)
         size = collectives.size()
         total_k = sum(plans[i] for i in sparse)
         all_values = tf.reshape(collectives.allgather(tf.concat([v for v, _ in picks], 0), scope="tfdist_topk_values"),
                                 [size, total_k])
         all_indices = tf.reshape(collectives.allgather(tf.concat([ix for _, ix in picks], 0),
                                                        scope="tfdist_topk_indices"), [size, total_k])
-        start = 0
-        for i, flat, (mine, indices), (error, old_error) in zip(sparse, flats, picks, states):
+        # An inf/nan a rank sends reaches every rank: one decision for all ranks.
+        finite, updates, start = _all_finite([all_values]), [], 0
+        for i, flat, (mine, indices), error in zip(sparse, flats, picks, states):
             k, entries = plans[i], flat.shape[0]
             total = tf.zeros([entries], tf.float32)
             for r in range(size):  # rank order, one scatter per rank (unique indices): deterministic
                 total += tf.scatter_nd(all_indices[r, start:start + k, None], all_values[r, start:start + k], [entries])
             start += k
-            sent = tf.scatter_nd(indices[:, None], mine, [entries])
-            _keep_if_finite(total, [(error, flat - sent, old_error)])
+            updates.append((error, tf.tensor_scatter_nd_update(flat, indices[:, None], tf.zeros_like(mine))))
             out[i] = tf.cast(tf.reshape(total, values[i].shape), values[i].dtype)
+        _keep_if_finite(finite, updates)
         return out
 
 
@@ -247,15 +248,10 @@ def parse(value):
     """
     if isinstance(value, Compressor):
         return None, value
-    if isinstance(value, str) and value.partition(":")[0] in ("powersgd", "topk"):
-        kind, _, arg = value.partition(":")
-        try:
-            if kind == "powersgd":
-                return None, PowerSGD(rank=int(arg) if arg else 4)
-            return None, TopK(density=float(arg) if arg else 0.01)
-        except ValueError as e:
-            raise ValueError(f"compression={value!r}: {e}") from None
-    if isinstance(value, str) and value not in ("none", "fp16"):
-        raise ValueError(f"compression={value!r}: expected None, 'none', 'fp16', 'powersgd[:rank]' or "
-                         "'topk[:density]'")
+    if isinstance(value, str):
+        kind, param = compression_plan.parse(value)
+        if kind == "powersgd":
+            return None, PowerSGD(rank=param)
+        if kind == "topk":
+            return None, TopK(density=param)
     return collectives.compression(value), None

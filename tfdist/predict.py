@@ -22,6 +22,12 @@ The model (alpha-beta cost of a ring allreduce, minus what the bucket schedule h
 
 It prints a table per rank count and writes a PNG plot (images/s against ranks, ideal line).
 
+Compression (`--compression none fp16 powersgd:4 topk:0.01`, one table row per method and rank
+count): the gradient bytes become what the method puts on the wire for the model's gradient
+shapes (`--model resnet50` or `--shapes 3072x2048 2048 ...`; `tfdist.compression_plan`), as
+allreduce-equivalent bytes (top-k's allgather grows with the rank count), and its compute
+(flops / `--compress_gflops`) is added to the step, unhidden.
+
 Calibration: `--calibrate_one_collective_ms S --calibrate_ranks N` replaces the link's nominal
 bandwidth by the one that makes the one-collective prediction at N ranks equal a measured step S
 (`effective_bandwidth`). It folds in what the nominal rate leaves out (per-collective overhead,
@@ -35,7 +41,7 @@ import dataclasses
 import math
 import sys
 
-from tfdist import argtypes
+from tfdist import argtypes, compression_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +103,61 @@ def effective_bandwidth(rank, link, measured_step_s, ranks, ranks_per_node=1):
     return hops / ranks * rank.gradient_bytes * 8 / (transfer_s * 1e9)
 
 
-def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank):
+def compressed(rank, shapes, spec, ranks, gflops):
+    """`rank` as it runs with compression `spec` at `ranks`: its gradient bytes become the wire
+    bytes for `shapes` (None: one flat tensor of the gradient's size), its compute grows by the
+    compressor's flops at `gflops`. Returns (Rank, wire bytes, compress seconds)."""
+    if spec == "none" or ranks < 2:
+        return rank, rank.gradient_bytes, 0.0
+    shapes = shapes or [[int(rank.gradient_bytes // 4)]]
+    scale = rank.gradient_bytes / (4 * sum(_entries(s) for s in shapes))  # the shapes at the stated size
+    wire, flops = compression_plan.wire_bytes(shapes, spec, ranks)
+    extra = flops * scale / (gflops * 1e9)
+    return dataclasses.replace(rank, compute_s=rank.compute_s + extra, gradient_bytes=wire * scale), wire * scale, extra
+
+
+def _entries(shape):
+    return math.prod(shape) if shape else 1
+
+
+def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, compression="none", shapes=None,
+          gflops=20.0):
     rows = []
     for n in ranks_list:
-        step, exposed, busy = step_time(rank, link, n, min(ranks_per_node, n), bucket_bytes)
-        rows.append({"ranks": n, "step_ms": step * 1e3, "exposed_ms": exposed * 1e3, "comm_ms": busy * 1e3,
-                     "efficiency": rank.compute_s / step,
+        this, wire, extra = compressed(rank, shapes, compression, n, gflops)
+        step, exposed, busy = step_time(this, link, n, min(ranks_per_node, n), bucket_bytes)
+        rows.append({"ranks": n, "step_ms": step * 1e3, "exposed_ms": (step - rank.compute_s) * 1e3,
+                     "comm_ms": busy * 1e3, "efficiency": rank.compute_s / step, "wire_mb": wire / 1e6,
+                     "compress_ms": extra * 1e3,
                      "images_per_sec": n * batch_per_rank / step if batch_per_rank else None})
     return rows
+
+
+def model_shapes(name):
+    """The trainable variables' shapes of a tfdist-benchmark model (imports TensorFlow)."""
+    from tfdist.benchmark.models import build_model
+    from tfdist.keras_flavour import keras_module
+
+    model = build_model(keras_module(), name, 224 if not name.startswith("mlp") else 32, 1000)
+    return [list(v.shape) for v in model.trainable_variables]
+
+
+def _shape(text):
+    try:
+        shape = [int(d) for d in text.lower().split("x")]
+    except ValueError:
+        shape = []
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a shape like 3072x2048 or 2048")
+    return shape
+
+
+def _spec(text):
+    try:
+        compression_plan.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def main(argv=None):
@@ -128,6 +181,12 @@ def main(argv=None):
     parser.add_argument("--ranks_per_node", type=argtypes.positive_int, default=1)
     parser.add_argument("--batch_per_rank", type=argtypes.positive_int, help="for images/s")
     parser.add_argument("--png", help="write a plot of images/s (or efficiency) against ranks here")
+    parser.add_argument("--compression", type=_spec, nargs="+", default=["none"],
+                        help="methods to model: none, fp16, powersgd[:rank], topk[:density]")
+    parser.add_argument("--shapes", type=_shape, nargs="+", help="gradient shapes, e.g. 3072x2048 2048")
+    parser.add_argument("--model", help="take the gradient shapes from this tfdist-benchmark model (resnet50, mlp:wide_mlp)")
+    parser.add_argument("--compress_gflops", type=argtypes.positive_float, default=20.0,
+                        help="the rate a rank runs a compressor's arithmetic at (default 20)")
     args = parser.parse_args(argv)
     if not 0 < args.backward_fraction <= 1:
         parser.error(f"--backward_fraction {args.backward_fraction}: expected a fraction in (0, 1]")
@@ -143,20 +202,28 @@ def main(argv=None):
               f"{args.calibrate_one_collective_ms:g} ms at {args.calibrate_ranks} ranks")
     elif args.bandwidth_gbit is None:
         parser.error("give --bandwidth_gbit, or --calibrate_one_collective_ms to derive it")
+    shapes = model_shapes(args.model) if args.model else args.shapes
+    if any(compression_plan.parse(c)[0] == "powersgd" for c in args.compression) and not shapes:
+        parser.error("--compression powersgd needs the gradient shapes: give --model or --shapes")
     link = Link(args.bandwidth_gbit, args.latency_us, args.intra_node_gbit)
     modes = {"one collective": 0, f"buckets of {args.bucket_mb:g} MB": args.bucket_mb * 1e6} if args.bucket_mb else {
         "one collective": 0}
-    results = {name: table(rank, link, args.ranks, args.ranks_per_node, size, args.batch_per_rank)
-               for name, size in modes.items()}
+    results = {}
+    for method in args.compression:
+        for name, size in modes.items():
+            label = name if method == "none" else f"{name}, {method}"
+            results[label] = table(rank, link, args.ranks, args.ranks_per_node, size, args.batch_per_rank,
+                                   method, shapes, args.compress_gflops)
     print(f"{args.compute_ms:g} ms compute, {args.gradient_mb:g} MB gradients, {args.bandwidth_gbit:g} Gbit/s, "
           f"{args.latency_us:g} us, {args.ranks_per_node} rank(s) per node")
-    print("| schedule | ranks | step ms | exposed comm ms | comm ms | efficiency | images/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| schedule | ranks | step ms | exposed comm ms | comm ms | efficiency | images/s | wire MB | "
+          "compress ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, rows in results.items():
         for r in rows:
             images = f"{r['images_per_sec']:.1f}" if r["images_per_sec"] else "-"
             print(f"| {name} | {r['ranks']} | {r['step_ms']:.1f} | {r['exposed_ms']:.1f} | {r['comm_ms']:.1f} | "
-                  f"{r['efficiency']:.1%} | {images} |")
+                  f"{r['efficiency']:.1%} | {images} | {r['wire_mb']:.2f} | {r['compress_ms']:.1f} |")
     if args.png:
         plot(results, args)
     return 0

@@ -56,9 +56,12 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             "gpu" insists on this rank's GPU: with none visible, `GPUNotFoundError` names what
             was found (driver, CUDA_VISIBLE_DEVICES, TensorFlow's build and devices); so does
             any other GPU device name ("/gpu:0").
-        compression: gradient compression for the allreduce: None or "none", "fp16" (floating
-            gradients cast to float16 before and back after; halves the bytes sent), or a
-            `horovod.tensorflow.Compression`.
+        compression: gradient compression: None or "none"; "fp16" (floating gradients cast to
+            float16 before and back after; halves the bytes sent) or a
+            `horovod.tensorflow.Compression`; "powersgd:<rank>" or "topk:<density>" (or a
+            `tfdist.compression.PowerSGD` / `TopK`): low-rank or sparse gradients with error
+            feedback, per-rank state that `callbacks.Checkpointer` saves; they replace the
+            optimizer's gradient sum only (docs/COMMUNICATION.md).
         op: how gradients combine across ranks: "average" (Keras' loss scaling by
             1/num_replicas_in_sync turns the sum into the average), or "adasum" (Horovod's
             Adasum of the ranks' unscaled gradients, per tensor; needs an MPI-built Horovod,
@@ -92,12 +95,14 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             across ranks now, and the first distributed dataset's batch size, structure and
             manifest (`tfdist.consistency`); a difference raises `RankMismatchError`.
         fingerprint: any string that must be equal on every rank (a config hash, a git commit).
-        bucket_mb: gradients go in buckets of about this many MB (default 25), last layers
-            first, each one grouped allreduce issued as soon as its gradients exist in the step
-            graph, so the exchange overlaps the rest of backprop (Horovod negotiates buckets in any
-            order across ranks). 0 sends each dtype's gradients as one grouped allreduce once the
-            last gradient exists. Measured on emulated 1 Gbit/s links (docs/PERFORMANCE.md): 25 MB
-            is 1.20x one collective on ResNet50 and 1.24x on a 134 MB MLP.
+        bucket_mb: how gradients are scheduled. None (default): each gradient is an allreduce
+            of its own, issued the moment backprop produces it, and Horovod fuses whatever is
+            ready on every rank each cycle (readiness-driven fusion, as Horovod's own
+            `DistributedGradientTape` loop). A size in MB: buckets of about that size, last layers
+            first, each one grouped allreduce issued when its gradients exist. 0: each dtype's
+            gradients as one grouped allreduce once the last gradient exists. Every schedule
+            overlaps the exchange with the rest of backprop except 0 (docs/PERFORMANCE.md has the
+            measurements on emulated 1 Gbit/s links).
         fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
             kernel, as tf-keras does (`tfdist.keras_fused_batchnorm`: same results, falls back
             where it would differ); False leaves Keras' own implementation.
@@ -105,7 +110,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
 
     def __init__(self, device=None, *, batch_convention="global", compression=None, op="average", check_variables=True,
                  precision=None, tuning=True, horovod=None, watchdog=True, check_consistency=True,
-                 fingerprint=None, fused_batchnorm=True, bucket_mb=25):
+                 fingerprint=None, fused_batchnorm=True, bucket_mb=None):
         tuning_lib.set_horovod_knobs(horovod or {})
         if tuning == "measure":
             from tfdist import startup, tune

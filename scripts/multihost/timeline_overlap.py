@@ -3,7 +3,7 @@
     .venv/bin/python scripts/multihost/timeline_overlap.py timeline.json --compute_ms 1650
 
 A Horovod timeline (HOROVOD_TIMELINE, written by rank 0) has one row per collective, named after
-it (tfdist's buckets: `tfdist_allreduce_<k>/HorovodGroupedAllreduce_..._<i>of<n>`), with, per
+it (tfdist's: `tfdist_allreduce_<k>/HorovodGroupedAllreduce.float32_<i>of<n>`), with, per
 execution, NEGOTIATE_ALLREDUCE (from the first rank's request to the last one's: a collective is
 requested once its input exists on that rank) and ALLREDUCE with the Gloo transfer inside
 (GLOO_ALLREDUCE). The k-th execution of every gradient row belongs to step k. Per step:
@@ -25,7 +25,8 @@ import re
 import statistics
 import sys
 
-GRADIENT_ROW = re.compile(r"allreduce.*grad", re.I)  # gradient_tape_..._BiasAddGrad etc.
+# Horovod's loop: ..._gradient_tape_..._BiasAddGrad; tfdist: tfdist_allreduce_<k>/..., tfdist_powersgd_*
+GRADIENT_ROW = re.compile(r"allreduce.*grad|tfdist_allreduce|tfdist_powersgd", re.I)
 NOT_GRADIENTS = ("metric_sync", "broadcast", "allgather")
 
 

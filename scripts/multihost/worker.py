@@ -5,7 +5,7 @@
     python scripts/multihost/worker.py --mode tfdist --bucket_mb 25 --model resnet50 --batch_size 8 \\
         --steps 5 --out /tmp/run1
 
-Modes, all on tf-keras and the same model:
+Modes, all on tf-keras (or Keras 3 with --keras keras3) and the same model:
   tfdist   HorovodStrategy(bucket_mb=..., compression=...) + model.fit (bucket_mb 0: one collective
            per dtype, 'ready': each gradient as it exists); --cycle_ms sets Horovod's cycle
   horovod  Horovod's documented loop: hvd.DistributedGradientTape + hvd.broadcast_variables, after
@@ -35,6 +35,8 @@ PARSER.add_argument("--image_size", type=int, default=224)
 PARSER.add_argument("--num_classes", type=int, default=1000)
 PARSER.add_argument("--warmup", type=int, default=2)
 PARSER.add_argument("--steps", type=int, default=5)
+PARSER.add_argument("--keras", choices=["tf_keras", "keras3"], default="tf_keras")
+PARSER.add_argument("--loss_scale", action="store_true", help="wrap the optimizer in Keras' LossScaleOptimizer")
 PARSER.add_argument("--out", required=True)
 
 
@@ -43,12 +45,12 @@ def benchmark_args(args):
     return argparse.Namespace(model=args.model, batch_size=args.batch_size, image_size=args.image_size,
                               num_classes=args.num_classes, num_warmup_batches=args.warmup,
                               num_batches=args.steps, data_dir=None, eval_dir=None, epochs=None,
-                              learning_rate=0.01, xla=False, profile_dir=None)
+                              learning_rate=0.01, xla=False, profile_dir=None, loss_scale=args.loss_scale)
 
 
 def main():
     args = PARSER.parse_args()
-    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
     import tfdist  # noqa: F401  (early settings: the parent set threads; taskset set the core)
     import tensorflow as tf
 
@@ -111,7 +113,10 @@ def gradient_bytes(keras, args):
     from tfdist.benchmark.models import build_model
 
     model = build_model(keras, args.model, args.image_size, args.num_classes)
-    return int(sum(v.shape.num_elements() * v.dtype.size for v in model.trainable_variables))
+    import numpy as np
+    import tensorflow as tf
+
+    return int(sum(np.prod(v.shape) * tf.as_dtype(v.dtype).size for v in model.trainable_variables))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ PARSER.add_argument("--onednn", choices=["default", "on", "off"], default="defau
                     help="TF_ENABLE_ONEDNN_OPTS before TensorFlow loads (default: leave it as TF/tuning decide)")
 PARSER.add_argument("--fused_batchnorm", choices=["on", "off"], default="on",
                     help="tfdist on Keras 3: BatchNormalization on TensorFlow's fused kernel (HorovodStrategy's default)")
+PARSER.add_argument("--compression", default=None, help="tfdist: HorovodStrategy(compression=...): fp16, "
+                    "powersgd[:rank], topk[:density]")
 PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
                     help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
@@ -130,7 +132,10 @@ def run_keras_fit(args, keras, strategy, rank):
     replicas = strategy.num_replicas_in_sync if strategy else 1
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build_model(keras, args.model, args.image_size, args.num_classes)
-        model.compile(optimizer=keras.optimizers.SGD(args.learning_rate * replicas, momentum=0.9),
+        optimizer = keras.optimizers.SGD(args.learning_rate * replicas, momentum=0.9)
+        if getattr(args, "loss_scale", False):  # scripts/multihost: loss scaling without a float16 policy
+            optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer,
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla,
                       metrics=["accuracy"] if args.epochs else None)
     keep_iterators(model)
@@ -257,7 +262,7 @@ def start(args):
             overrides["onednn"] = args.onednn == "on"
         knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
         device = {"auto": None, "cpu": "/cpu:0", "gpu": "gpu"}[args.device]
-        strategy = tfdist.HorovodStrategy(device, precision=args.precision, horovod=knobs,
+        strategy = tfdist.HorovodStrategy(device, precision=args.precision, horovod=knobs, compression=args.compression,
                                           fused_batchnorm=args.fused_batchnorm == "on",
                                           tuning=False if args.no_tuning else (overrides or True))
         tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
@@ -306,6 +311,15 @@ def main():
         PARSER.error("--epochs needs --data_dir (a real dataset to reach an accuracy on)")
     if args.epochs and args.variable_update in ("horovod", "mwms"):
         PARSER.error(f"--epochs (accuracy runs) is for --variable_update tfdist or none, not {args.variable_update}")
+    if args.compression:
+        from tfdist import compression_plan
+
+        try:
+            compression_plan.parse(args.compression)
+        except ValueError as e:
+            PARSER.error(f"--compression: {e}")
+        if args.variable_update != "tfdist":
+            PARSER.error(f"--compression is for --variable_update tfdist, not {args.variable_update}")
     if args.precision == "auto" and args.variable_update != "tfdist":
         PARSER.error(f"--precision auto is for --variable_update tfdist; name a policy for {args.variable_update}")
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
