@@ -9,8 +9,12 @@ rank per host started with `ip netns exec` and an srun step's SLURM_* variables,
 `launch.prepare()` runs the Gloo rendezvous over the namespace addresses (mwms gets TF_CONFIG with
 the host names). Every mode, and the 1-rank baseline, runs each rank on one core of its own
 (taskset: host i on cpu i) with 1 intra-op and 2 inter-op threads, oneDNN on. Modes run once per
-repeat, in alternating order. Modes: bucketed (HorovodStrategy(bucket_mb=--bucket_mb)),
-bucketed:<MB> (another size), one-collective (bucket_mb=0), horovod, mwms.
+repeat, in alternating order. Modes: ready (HorovodStrategy's default, bucket_mb=None: each
+gradient as it exists), bucketed (HorovodStrategy(bucket_mb=--bucket_mb)), bucketed:<MB> (another
+size), one-collective (bucket_mb=0), each optionally with ~<ms> (Horovod's cycle) and +<method>
+(compression: +powersgd:4, +topk:0.001, +fp16), e.g. ready~1+powersgd:4; horovod, mwms.
+--keras keras3 runs the Keras modes on Keras 3, --loss_scale wraps their optimizer in
+LossScaleOptimizer.
 
 Per mode: median step (warm-up excluded, every step of rank 0 of every run pooled), exposed
 communication = step - step of the 1-rank baseline, efficiency = baseline / step, and

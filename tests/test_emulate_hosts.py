@@ -206,3 +206,18 @@ def test_timeline_reader_tells_overlap_from_none(tmp_path):
     assert lines == ["bucketed: first transfer 410.0 ms into the step; one-collective's (after the last gradient) "
                      "710.0 ms: transfers began 300.0 ms before backprop ended, 290.0 ms of transfer before the "
                      "last bucket was requested"]
+
+
+def test_benchmark_mode_names_parse_into_schedule_cycle_and_compression():
+    import multihost_benchmark
+
+    parse = multihost_benchmark.parse_mode
+    assert parse("ready", 25) == ("tfdist", "ready", None, None)
+    assert parse("bucketed", 25) == ("tfdist", 25, None, None)
+    assert parse("bucketed:4~1", 25) == ("tfdist", 4.0, 1.0, None)
+    assert parse("ready~1+powersgd:4", 25) == ("tfdist", "ready", 1.0, "powersgd:4")
+    assert parse("one-collective+topk:0.001", 25) == ("tfdist", 0.0, None, "topk:0.001")
+    assert parse("horovod@1", 25) == ("horovod", 0.0, None, None)
+    for bad in ("horovod+powersgd", "ready:4", "buckets"):
+        with pytest.raises(SystemExit, match="--modes"):
+            parse(bad, 25)

@@ -74,6 +74,8 @@ def test_bucketed_allreduce_trains_like_one_collective_and_issues_one_op_per_buc
     assert_weights_close(ranks[0]["bucketed/adam"]["final"], reference["bucketed/adam"]["final"])
     assert_weights_close(ranks[0]["bucketed/adam"]["final"], ranks[0]["dense/adam"]["final"], atol=1e-6)
     assert ranks[0]["bucketed/allreduce_ops"] == ranks[0]["bucketed/variables"] > 1
+    # the default (bucket_mb=None): one collective per gradient too, each enqueued when it exists
+    assert ranks[0]["ready/allreduce_ops"] == ranks[0]["bucketed/variables"]
 
 
 def test_synchronized_batchnorm_uses_global_statistics(keras_flavor, tmp_path_factory):

@@ -35,7 +35,8 @@ if "tensorflow" not in _sys.modules:
 # Submodules reachable as attributes (`tfdist.precision`, `tfdist.pipelines`, ...), imported on
 # first use: most import TensorFlow (seconds), which `tfdist-run` and the error classes must not wait for.
 _SUBMODULES = frozenset({
-    "benchmark", "callbacks", "chief_saves", "collectives", "consistency", "input_contract", "keras_flavour", "launch",
+    "benchmark", "callbacks", "chief_saves", "collectives", "compression", "compression_plan", "consistency",
+    "gradient_exchange", "input_contract", "keras_flavour", "launch",
     "pipelines", "precision", "profile_summary", "rendezvous", "run", "startup", "strategy", "tune", "tuning",
     "tuning_cache",
     "watchdog",

@@ -168,7 +168,17 @@ def bucket_checks(reference, results):
     results["bucketed/adam"] = {"final": weights_of(model)}
     if reference:
         return
+    results["bucketed/allreduce_ops"] = allreduce_ops_per_step(strategy, model, x, y)
+    results["bucketed/variables"] = len(model.trainable_variables)
+    # the default schedule: each gradient its own collective, enqueued as soon as it exists
+    ready = tfdist.HorovodStrategy(tuning=False)
+    with ready.scope():
+        model = build_model("dense", seed=1000 + 17 * ready.rank)
+    results["ready/allreduce_ops"] = allreduce_ops_per_step(ready, model, x, y)
 
+
+def allreduce_ops_per_step(strategy, model, x, y):
+    """Grouped allreduces in one traced gradient sum under `strategy`."""
     @tf.function
     def step(xb, yb):
         def replica(xb, yb):  # noqa: ARG001
@@ -179,8 +189,7 @@ def bucket_checks(reference, results):
         return strategy.run(replica, (xb, yb))
 
     graph = step.get_concrete_function(tf.constant(x[:PER_RANK_BATCH]), tf.constant(y[:PER_RANK_BATCH])).graph
-    results["bucketed/allreduce_ops"] = sum(op.type == "HorovodGroupedAllreduce" for op in graph.get_operations())
-    results["bucketed/variables"] = len(model.trainable_variables)
+    return sum(op.type == "HorovodGroupedAllreduce" for op in graph.get_operations())
 
 
 def metric_checks(strategy, results):
