@@ -106,8 +106,20 @@ def _launch(key, tmp_path_factory):
                        timeout=TIMEOUT)
     runner, flavor = key.split("-")
     if runner == "mwms":
-        return run_mwms(base, flavor_env(flavor))
+        found = run_mwms(base / "1", flavor_env(flavor))
+        if _mwms_collectives_diverged(found):
+            # The oracle's own flake: MWMS numbers its collectives per worker, and under a loaded
+            # CI machine its two workers once reached different collectives in the tutorial flow
+            # (2026-11-24: "Collective instance 879 expected type 1 ... but got type 2"; the same
+            # job alone passed 6 of 6). One fresh launch; a second divergence fails the tests.
+            found = run_mwms(base / "2", flavor_env(flavor))
+        return found
     return run_job([CHECKS, "--strategy", "horovod"], base, np=2, env=flavor_env(flavor), timeout=TIMEOUT)
+
+
+def _mwms_collectives_diverged(found):
+    return any("Collective ops is aborted" in str(part.get("error", ""))
+               for worker in found.values() for part in worker.values() if isinstance(part, dict))
 
 
 def results(key, tmp_path_factory):

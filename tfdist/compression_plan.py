@@ -33,7 +33,7 @@ def parse(spec):
                 return kind, value
     except ValueError:
         pass
-    raise ValueError(f"compression {spec!r}: expected 'none', 'fp16', 'powersgd[:rank]' (rank >= 1) or "
+    raise ValueError(f"compression={spec!r}: expected 'none', 'fp16', 'powersgd[:rank]' (rank >= 1) or "
                      "'topk[:density]' (0 < density < 0.5: values and indices both travel)")
 
 
