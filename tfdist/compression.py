@@ -69,6 +69,18 @@ class Compressor:
     def describe(self):
         return self.name
 
+    def _sum_uncompressed(self, values):
+        """(out, plans, compressed): `plan` of each value (None: sent whole), `out` holding the exact
+        sums of those sent whole (one grouped allreduce) and None elsewhere, the indices to compress."""
+        out = [None] * len(values)
+        plans = [self.plan(v.shape.as_list()) if _is_dense_float(v) else None for v in values]
+        plain = [i for i, p in enumerate(plans) if p is None]
+        if plain:
+            summed = collectives.allreduce([values[i] for i in plain], op="sum", scope=f"tfdist_{self.name}_uncompressed")
+            for i, r in zip(plain, summed):
+                out[i] = r
+        return out, plans, [i for i, p in enumerate(plans) if p is not None]
+
     def _state_for(self, variable, initial_values):
         key = variable.ref() if isinstance(variable, tf.Variable) else id(variable)
         if key not in self._state:
@@ -140,13 +152,7 @@ class PowerSGD(Compressor):
 
     @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
     def reduce(self, values, variables):
-        out = [None] * len(values)
-        plans = [self.plan(v.shape.as_list()) if _is_dense_float(v) else None for v in values]
-        plain = [i for i, p in enumerate(plans) if p is None]
-        for i, r in zip(plain, collectives.allreduce([values[i] for i in plain], op="sum",
-                                                     scope="tfdist_powersgd_uncompressed") if plain else []):
-            out[i] = r
-        low = [i for i, p in enumerate(plans) if p is not None]
+        out, plans, low = self._sum_uncompressed(values)
         if not low:
             return out
         matrices, states = [], []
@@ -202,13 +208,7 @@ class TopK(Compressor):
 
     @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
     def reduce(self, values, variables):
-        out = [None] * len(values)
-        plans = [self.plan(v.shape.as_list()) if _is_dense_float(v) else None for v in values]
-        plain = [i for i, p in enumerate(plans) if p is None]
-        for i, r in zip(plain, collectives.allreduce([values[i] for i in plain], op="sum",
-                                                     scope="tfdist_topk_uncompressed") if plain else []):
-            out[i] = r
-        sparse = [i for i, p in enumerate(plans) if p is not None]
+        out, plans, sparse = self._sum_uncompressed(values)
         if not sparse:
             return out
         flats, picks, states = [], [], []
