@@ -24,6 +24,10 @@ directory and the previous checkpoint stays the latest good one. A `ckpt-*` dire
 marker is missing or corrupt, or whose state file does not match the marker, is skipped (a
 warning names it) in favour of the next older one.
 
+With gradient compression (`HorovodStrategy(compression="powersgd:4")`, ...) the checkpoint also
+holds every rank's error-feedback state (`rank_state_*`, stacked by rank, gathered to the chief),
+and each rank gets its own back, so a resumed run continues exactly.
+
 Only the chief (rank 0) touches the directory: it picks the checkpoint, reads it and broadcasts
 every value, so the other ranks need not see the files (multi-host jobs without a shared file
 system) and all ranks end up bit-identical to the file. A restarted job needs rank 0 on a host
@@ -367,9 +371,9 @@ class Checkpointer(Callback):
                 log.warning("tfdist checkpoint: %s holds gradient-compression state of %s rank(s), this job has %d: "
                             "the error-feedback memories start empty", path, sorted(saved_ranks)[0], size)
             return
-        mine = []
+        mine, arrays, self._rank_arrays = [], self._rank_arrays, []
         for i, (shape, dtype) in enumerate(layout):
-            value = self._rank_arrays[i] if rank == 0 else np.zeros(shape, dtype)
+            value = arrays[i] if rank == 0 else np.zeros(shape, dtype)
             if size > 1:
                 value = collectives.broadcast(tf.constant(value), 0, name=f"tfdist.ckpt.rank_state.{i}").numpy()
             mine.append(value[rank])
