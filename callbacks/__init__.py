@@ -6,9 +6,9 @@ model.fit(ds, callbacks=[SkippedRecordsReport(plan.skipped)])
 ```
 """
 
-from tfdist.callbacks.accumulation import accumulate_gradients
+from tfdist.optimizers.accumulation import accumulate_gradients
 from tfdist.callbacks.checkpoint import CheckpointError, Checkpointer, latest_checkpoint
-from tfdist.callbacks.lars import LARC, LARS
+from tfdist.optimizers.lars import LARC, LARS
 from tfdist.callbacks.lr_schedule import (
     LearningRateLogger,
     LearningRateWarmup,

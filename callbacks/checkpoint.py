@@ -47,7 +47,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.callbacks._keras import Callback
-from tfdist import _compat, collectives, durable, rank_variables, recovery
+from tfdist import _compat, collectives, durable, rank_variables
+from tfdist.launch import recovery
 from tfdist.errors import TfdistError
 
 log = logging.getLogger("tfdist")

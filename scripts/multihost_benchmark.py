@@ -145,7 +145,7 @@ def timed_ms(result):
 
 def summarize(runs, args, link):
     """One row per mode: median step, exposed communication, efficiency, prediction and its error."""
-    from tfdist import predict
+    from tfdist.benchmark import step_model as predict
 
     ok = {name: [r for r in rs if "ranks" in r] for name, rs in runs.items()}
     steps = {name: [t for r in rs for t in timed_ms(r["ranks"]["0"])] for name, rs in ok.items() if rs}

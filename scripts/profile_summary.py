@@ -1,7 +1,7 @@
 """Thin wrapper for a checkout: `python scripts/profile_summary.py ...` is `tfdist-profile ...`
-(tfdist.profile_summary; see its docstring and README, "Profiling")."""
+(tfdist.benchmark.profile_summary; see its docstring and README, "Profiling")."""
 
-from tfdist.profile_summary import main
+from tfdist.benchmark.profile_summary import main
 
 if __name__ == "__main__":
     main()

@@ -33,7 +33,7 @@ def run_job(args, out_dir, np=2, env=None, timeout=420, launcher="horovodrun"):
     """Run `python ARGS --out OUT_DIR` under `horovodrun -np NP --gloo` (np=None: one plain process).
 
     `launcher="mpirun"`: under the mpirun command `tfdist-run --launcher mpirun` builds
-    (`tfdist.run.build_command`); `"tfdist-run mpirun"`: through `tfdist-run --launcher mpirun`.
+    (`tfdist.launch.runner.build_command`); `"tfdist-run mpirun"`: through `tfdist-run --launcher mpirun`.
 
     Returns {rank: results dict}. A job that exceeds `timeout` is killed with its whole process
     group and fails the test, so a hang can never stall the suite.
@@ -45,7 +45,7 @@ def run_job(args, out_dir, np=2, env=None, timeout=420, launcher="horovodrun"):
     if np is not None and launcher == "horovodrun":
         command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", *command]
     elif np is not None and launcher == "mpirun":
-        from tfdist.run import build_command
+        from tfdist.launch.runner import build_command
 
         command = build_command("mpirun", command, np, env=job_env)
     elif np is not None and launcher == "tfdist-run mpirun":

@@ -163,7 +163,7 @@ def test_device_gpu_without_a_gpu_fails_naming_what_it_found(mode):
 
 
 def test_model_argument_keeps_the_module_function_form():
-    from tfdist.benchmark.run import PARSER
+    from tfdist.benchmark.train_benchmark import PARSER
 
     assert PARSER.parse_args(["--model", "my_models:small_cnn"]).model == "my_models:small_cnn"
     assert PARSER.parse_args(["--model", "resnet50_v1.5"]).model == "resnet50_v1.5"

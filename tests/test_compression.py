@@ -1,4 +1,4 @@
-"""Gradient compression (tfdist.compression) on 2 real ranks, against numpy references.
+"""Gradient compression (tfdist.exchange.compression) on 2 real ranks, against numpy references.
 
 One horovodrun launch per Keras flavour (tests/multirank/compression_checks.py) runs every check;
 the compressors' steps are recomputed here in numpy from both ranks' inputs and initial state.

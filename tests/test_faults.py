@@ -377,14 +377,14 @@ def test_failed_job_ends_naming_the_rank_that_raised(tmp_path):
     assert last.startswith(f"tfdist-run: job failed (exit status {proc.returncode}): rank 1 (host {HOST}) "
                            f"failed: ValueError: {LAST_LINE}"), proc.stderr[-3000:]
     assert "rank 0" not in last
-    # rank 1's own traceback came through whole (its stderr passes tfdist.stderr_filter)
+    # rank 1's own traceback came through whole (its stderr passes tfdist.launch.stderr_filter)
     rank1 = "\n".join(l.split(":", 1)[1] for l in proc.stderr.splitlines() if l.startswith("[1]<stderr>:"))
     assert "Traceback (most recent call last):" in rank1 and f"ValueError: {FIRST_LINE}\n{LAST_LINE}" in rank1, rank1
 
 
 def test_unit_job_summary_names_the_first_failure_not_the_survivor():
     from tfdist import watchdog
-    from tfdist.job_summary import STOPPED_CODE, describe, last_words
+    from tfdist.launch.job_summary import STOPPED_CODE, describe, last_words
 
     assert STOPPED_CODE == watchdog.EXIT_CODE
     hosts = lambda rank: ["n1", "n2"][rank]  # noqa: E731

@@ -1,4 +1,4 @@
-"""tfdist.keras_fused_batchnorm: Keras 3 BatchNormalization on the fused FusedBatchNormV3 kernel
+"""tfdist.keras.fused_batchnorm: Keras 3 BatchNormalization on the fused FusedBatchNormV3 kernel
 computes what Keras' own call computes (outputs, gradients, moving statistics, under `fit` and
 mixed precision), takes Keras' own path everywhere else, and refuses to install on a moved Keras.
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist import keras_fused_batchnorm as kfb
+from tfdist.keras import fused_batchnorm as kfb
 from tfdist.errors import KerasHookError
 
 FUSED, FUSED_GRAD = "FusedBatchNormV3", "FusedBatchNormGradV3"

@@ -160,7 +160,8 @@ def test_cache_only_without_a_cached_wheel_fails_naming_the_folder(tmp_path):
 
 
 def test_errors_name_the_install_command():
-    from tfdist import collectives, run
+    from tfdist import collectives
+    from tfdist.launch import runner as run
 
     assert "tfdist-install-horovod" in collectives.INSTALL_HINT and "bash scripts/bootstrap.sh" in collectives.INSTALL_HINT
     assert "run `tfdist-install-horovod`" in run.not_found("/nowhere/horovodrun")

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from conftest import BIN, ROOT, JobFailed, _tail, run_job
-from tfdist import launch, rendezvous, run
-from tfdist.launch import LaunchError
+from tfdist.launch import slurm as launch
+from tfdist.launch import rendezvous
+from tfdist.launch import runner as run
+from tfdist.errors import LaunchError
 
 WORKER = ROOT / "tests" / "multirank" / "launch_checks.py"
 JOB_TIMEOUT = 240
@@ -392,7 +394,7 @@ def test_tfdist_run_launches_a_real_two_rank_job(tmp_path, reference):
     ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert_trained_alike(ranks, reference)
     # each rank got its share of the node before Python started: pinned, threads set, in effect
-    from tfdist import tuning
+    from tfdist.tuning import plan as tuning
 
     cores = len(tuning.detect_topology(with_tf=False).cores)
     for r in (0, 1):
@@ -518,16 +520,16 @@ def test_sbatch_template_parses_and_asks_for_what_it_says(name):
     text = path.read_text()
     assert "stage_dataset(sys.argv[1], local_rank=0)" in text and '--ntasks-per-node=1' in text
     # training through tfdist-run (srun --kill-on-bad-exit=1, and --max-restarts from MAX_RESTARTS)
-    assert re.search(r'^"\$PY" -m tfdist.run --launcher srun -np "\$SLURM_NTASKS" --max-restarts "\$\{MAX_RESTARTS:-0\}"', text, re.M)
+    assert re.search(r'^"\$PY" -m tfdist.launch.runner --launcher srun -np "\$SLURM_NTASKS" --max-restarts "\$\{MAX_RESTARTS:-0\}"', text, re.M)
     assert re.search(r'"\$\{run\[@\]\}" "\$\{args\[@\]\}" "\$@"$', text, re.M)
     assert "--no-kill" in opts  # a lost node leaves the rest of the allocation for a relaunch
-    assert 'run=("$PY" -m tfdist.benchmark.run)' in text and "PYTHONPATH" not in text  # an installed tfdist
+    assert 'run=("$PY" -m tfdist.benchmark.train_benchmark)' in text and "PYTHONPATH" not in text  # an installed tfdist
 
 
 def test_sbatch_templates_run_commands_that_exist():
     from tfdist.pipelines import stage_dataset  # noqa: F401  (the staging step's import)
     from tfdist.pipelines.staging import default_local_dir  # noqa: F401
-    help_text = subprocess.run([sys.executable, "-m", "tfdist.benchmark.run", "--help"],
+    help_text = subprocess.run([sys.executable, "-m", "tfdist.benchmark.train_benchmark", "--help"],
                                capture_output=True, text=True, cwd="/", timeout=120).stdout
     for path in SBATCH.values():
         used = set(re.findall(r"(--[a-z_]+) ", re.search(r"^args=\((.*)\)$", path.read_text(), re.M).group(1) + " "))

@@ -73,7 +73,7 @@ def test_ranks_run_under_mpi(mpi, keras_flavor, tmp_path_factory):
         assert (launch["rank"], launch["size"], launch["ompi_rank"]) == (rank, 2, str(rank))
         assert launch["mpi_enabled"] and not launch["gloo_enabled"], launch
         assert launch["keras"] == ("tf_keras" if keras_flavor == "tf_keras" else "keras")
-        # tfdist-run starts every rank through tfdist.startup (else `import tfdist` applies it),
+        # tfdist-run starts every rank through tfdist.tuning.startup (else `import tfdist` applies it),
         # with Open MPI's local rank; -bind-to none leaves the pinning to tfdist
         startup = launch["startup"]
         assert (startup["route"] == "tfdist-run") == (LAUNCHERS[keras_flavor] == "tfdist-run mpirun"), startup
@@ -139,7 +139,7 @@ def test_adasum_is_refused_on_gloo_and_on_odd_rank_counts(mpi, monkeypatch):
 
 
 def test_mpirun_command_works_here_and_on_clusters():
-    from tfdist.run import build_command
+    from tfdist.launch.runner import build_command
 
     py = sys.executable
     env = {"PATH": "/bin", "PYTHONPATH": "/src", "TF_USE_LEGACY_KERAS": "1", "TF_CONFIG": "{}",

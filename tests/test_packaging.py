@@ -43,7 +43,7 @@ def test_wheel_holds_only_the_tfdist_namespace(installed):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
     assert "tfdist" in tops and all(top.endswith(".dist-info") for top in tops - {"tfdist"}), tops
-    for module in ("tfdist/pipelines/reader.py", "tfdist/callbacks/checkpoint.py", "tfdist/benchmark/run.py"):
+    for module in ("tfdist/pipelines/reader.py", "tfdist/callbacks/checkpoint.py", "tfdist/benchmark/train_benchmark.py", "tfdist/launch/runner.py"):
         assert module in names
 
 
@@ -53,13 +53,13 @@ def test_installed_package_imports_as_one_namespace(installed):
         "import importlib.util, tfdist, tfdist.pipelines, tfdist.callbacks\n"
         "print(tfdist.__file__)\n"
         "print(tfdist.pipelines.read_dataset.__module__, tfdist.callbacks.Checkpointer.__module__)\n"
-        "print(tfdist.precision.__name__, tfdist.tuning.__name__)\n"
+        "print(tfdist.precision.__name__, tfdist.tuning.plan.__name__)\n"
         "print(importlib.util.find_spec('pipelines'), importlib.util.find_spec('callbacks'))\n"))
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith(str(target))  # the installed copy, not the checkout
     assert lines[1:] == ["tfdist.pipelines.reader tfdist.callbacks.checkpoint",
-                         "tfdist.precision tfdist.tuning", "None None"]
+                         "tfdist.precision tfdist.tuning.plan", "None None"]
 
 
 def test_console_scripts_run_from_the_install(installed):
@@ -77,7 +77,8 @@ def test_console_scripts_run_from_the_install(installed):
 
 def test_every_tfdist_error_derives_from_tfdist_error():
     import tfdist
-    from tfdist import launch, run
+    from tfdist.launch import slurm as launch
+    from tfdist.launch import runner as run
     from tfdist.callbacks import CheckpointError
     from tfdist.pipelines import ManifestError, StagingError
 
@@ -86,7 +87,7 @@ def test_every_tfdist_error_derives_from_tfdist_error():
     assert all(issubclass(e, tfdist.TfdistError) for e in errors), errors
     assert issubclass(ManifestError, ValueError)  # still caught where a ValueError was
     # one class per name: the launch layout and the tuning topology are different things
-    from tfdist import tuning
+    from tfdist.tuning import plan as tuning
 
     assert launch.TaskPlacement is not tuning.Topology and not hasattr(launch, "Topology")
 

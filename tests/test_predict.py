@@ -2,7 +2,8 @@
 
 import pytest
 
-from tfdist import compression_plan, predict
+from tfdist.exchange import compression_plan
+from tfdist.benchmark import step_model as predict
 
 RESNET50 = predict.Rank(compute_s=0.1982, gradient_bytes=102.2e6)  # seed: 161.45 images/s per GPU at batch 32
 

@@ -19,7 +19,7 @@ import pytest
 
 from browser import chromium_or_skip, get_json, page_text, screenshot, tensorboard
 from conftest import ROOT, flavor_env, run_job
-from tfdist import profile_summary
+from tfdist.benchmark import profile_summary
 from tfdist.callbacks import ProfileSteps
 from tfdist.callbacks._keras import keras_module
 
@@ -90,7 +90,7 @@ def profiled_job(tmp_path_factory):
 def test_summary_names_the_slow_rank_and_its_input_wait(profiled_job):
     out, results = profiled_job
     assert [results[r]["size"] for r in (0, 1)] == [2, 2]
-    summary = subprocess.run([sys.executable, "-m", "tfdist.profile_summary", str(out / "fit")],
+    summary = subprocess.run([sys.executable, "-m", "tfdist.benchmark.profile_summary", str(out / "fit")],
                              capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0, summary.stderr[-3000:]
     print(summary.stdout)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, flavor_env
-from tfdist import recovery
-from tfdist.recovery import Failure, analyse, decide, plan_ranks
+from tfdist.launch import recovery
+from tfdist.launch.recovery import Failure, analyse, decide, plan_ranks
 
 WORKER = ROOT / "tests" / "multirank" / "recovery_checks.py"
 WATCHDOG_LINE = ("[0]<stderr>:tfdist watchdog: rank 1 (host n2, pid 4242) died: its connection closed "
@@ -163,7 +163,7 @@ def test_unit_loop_gives_up_loudly(tmp_path):
 
 def test_unit_run_flags_usage_errors_and_dry_run():
     def tfdist_run(*argv):
-        return subprocess.run([sys.executable, "-m", "tfdist.run", *argv], cwd=ROOT, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "tfdist.launch.runner", *argv], cwd=ROOT, capture_output=True,
                               text=True, timeout=60)
 
     out = tfdist_run("--dry-run", "-np", "2", "--max-restarts", "2", "python", "train.py")
@@ -195,7 +195,7 @@ def tfdist_run_job(flags, data, tmp_path, env, epochs, timeout=420):
     """tfdist-run FLAGS python recovery_checks.py ...: (exit status, stderr, {rank: results})."""
     out = tmp_path / "out"
     out.mkdir()
-    command = [sys.executable, "-m", "tfdist.run", *flags, "python", str(WORKER), "--data", str(data),
+    command = [sys.executable, "-m", "tfdist.launch.runner", *flags, "python", str(WORKER), "--data", str(data),
                "--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--epochs", str(epochs)]
     job_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **env}
     proc = subprocess.Popen(command, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

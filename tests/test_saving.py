@@ -1,4 +1,4 @@
-"""Saving that cannot corrupt (tfdist.chief_saves): MWMS-style code saving and loading the same
+"""Saving that cannot corrupt (tfdist.keras.chief_saves): MWMS-style code saving and loading the same
 paths on 2 real ranks, on Keras 3 and tf-keras; and one process, where nothing changes."""
 
 import json
@@ -99,7 +99,8 @@ SINGLE_PROCESS = """
 import json, os, sys
 import tensorflow as tf
 import tfdist
-from tfdist import _compat, chief_saves
+from tfdist import _compat
+from tfdist.keras import chief_saves
 from tfdist.keras_flavour import keras_module
 keras = keras_module()
 tfdist.HorovodStrategy(tuning=False, watchdog=False, check_consistency=False)

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from conftest import BIN, ROOT
-from tfdist import startup, tuning_cache
+from tfdist.tuning import startup
+from tfdist.tuning import cache as tuning_cache
 
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), "PATH": str(BIN) + ":/usr/bin:/bin"}
 
@@ -111,7 +112,7 @@ def test_user_settings_win_and_undo_restores_the_process():
     out = python(code, env={"TF_ENABLE_ONEDNN_OPTS": "0"}).stdout
     assert "KEPT {'TF_ENABLE_ONEDNN_OPTS': '0'} SET ['TF_NUM_INTRAOP_THREADS']" in out
     assert "UNDO True None True None" in out
-    out = python("import tfdist\nprint('STATE', tfdist.startup.state())\n", env={"TFDIST_TUNING": "0"}).stdout
+    out = python("import tfdist\nprint('STATE', tfdist.tuning.startup.state())\n", env={"TFDIST_TUNING": "0"}).stdout
     assert "STATE None" in out
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tfdist.tuning import Topology, make_plan
+from tfdist.tuning.plan import Topology, make_plan
 
 
 def node(sockets, cores_per_socket, smt=False):
@@ -134,7 +134,7 @@ def test_apply_sets_threads_or_says_it_is_too_late(late):
 
 
 def test_cpu_jobs_get_a_slower_horovod_cycle_gpu_jobs_keep_the_default(monkeypatch):
-    from tfdist import tuning
+    from tfdist.tuning import plan as tuning
 
     assert tuning.horovod_defaults(gpus=0)["HOROVOD_CYCLE_TIME"][0] == "10"
     assert tuning.horovod_defaults(gpus=8) == {}

@@ -13,6 +13,7 @@ from tfdist.errors import (
     GPUNotFoundError,
     HorovodNotAvailableError,
     KerasHookError,
+    LaunchError,
     NonFiniteLossError,
     RankMismatchError,
     SaveSyncError,
@@ -20,14 +21,17 @@ from tfdist.errors import (
     WatchdogError,
     XlaNotSupportedError,
 )
-from tfdist.launch import LaunchError
+from tfdist import _moved
+from tfdist._version import __version__
+
+_moved.install()
 
 # Settings TensorFlow reads when it loads (oneDNN, thread pools, core pinning) only count if set
-# before it loads: importing tfdist first applies this rank's (`tfdist.startup`; TFDIST_TUNING=0: off).
+# before it loads: importing tfdist first applies this rank's (`tfdist.tuning.startup`; TFDIST_TUNING=0: off).
 import sys as _sys
 
 if "tensorflow" not in _sys.modules:
-    from tfdist import startup as _startup
+    from tfdist.tuning import startup as _startup
 
     _startup.apply_early("import tfdist")
 
@@ -35,11 +39,9 @@ if "tensorflow" not in _sys.modules:
 # Submodules reachable as attributes (`tfdist.precision`, `tfdist.pipelines`, ...), imported on
 # first use: most import TensorFlow (seconds), which `tfdist-run` and the error classes must not wait for.
 _SUBMODULES = frozenset({
-    "benchmark", "callbacks", "chief_saves", "collectives", "compression", "compression_plan", "consistency",
-    "gradient_exchange", "input_contract", "keras_flavour", "launch",
-    "pipelines", "precision", "profile_summary", "rendezvous", "run", "startup", "strategy", "tune", "tuning",
-    "tuning_cache",
-    "watchdog",
+    "benchmark", "callbacks", "cluster_resolver", "collectives", "consistency", "exchange", "gpu",
+    "input_contract", "keras", "keras_flavour", "launch", "optimizers", "pipelines", "precision",
+    "rank_variables", "strategy", "tuning", "watchdog",
 })
 
 
@@ -48,14 +50,12 @@ def __getattr__(name):
         from tfdist.strategy import HorovodStrategy
 
         return HorovodStrategy
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or f"tfdist.{name}" in _moved.MOVED:
         import importlib
 
         return importlib.import_module(f"tfdist.{name}")
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "HorovodStrategy",

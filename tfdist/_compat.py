@@ -11,13 +11,13 @@ Other tfdist modules reach these internals only through the names below:
   built from, `distributed_values`, `distributed_values_util` and `saveable_object`, which
   `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `global_seed`, `compute_batch_size`,
   `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`; the
-  saving functions `tfdist.chief_saves` wraps (`tf_saved_model_modules`, `tf_checkpoint_classes`)
+  saving functions `tfdist.keras.chief_saves` wraps (`tf_saved_model_modules`, `tf_checkpoint_classes`)
   and a `CheckpointManager`'s private settings (`checkpoint_manager_settings`,
   `set_manager_latest_checkpoint`).
   (`HorovodExtended` also overrides `StrategyExtended`'s private methods, `_create_variable`,
   `_experimental_distribute_dataset`, `_call_for_each_replica`, `_reduce_to`, ...: that is how a
   `tf.distribute.Strategy` is implemented, and they cannot live anywhere but in its class. Likewise
-  `tfdist.callbacks.lars` subclasses optimizers through each Keras' subclassing API: `_var_key`, ...)
+  `tfdist.optimizers.lars` subclasses optimizers through each Keras' subclassing API: `_var_key`, ...)
 - Keras: the classes tfdist patches (found through public names where one exists), the private
   methods it patches (`KERAS3_SAVE_MODEL`, `TF_KERAS_SUPPORTED_STRATEGIES`), `patch_method`, which
   installs a hook or raises `KerasHookError` naming the Keras version and the hook, and private
@@ -274,7 +274,7 @@ def rendezvous_classes():
 
 
 
-# --- Keras: BatchNormalization (tfdist.keras_fused_batchnorm) -------------------------------------
+# --- Keras: BatchNormalization (tfdist.keras.fused_batchnorm) -------------------------------------
 
 # What the fused path reads of a Keras 3 BatchNormalization, beyond its weights: its constructor
 # arguments (kept as attributes of the same names) and the methods it replaces or must not skip.
@@ -306,7 +306,7 @@ def keras3_batch_normalization(hook):
     return cls
 
 
-# --- TensorFlow: saving (tfdist.chief_saves) ------------------------------------------------------
+# --- TensorFlow: saving (tfdist.keras.chief_saves) ------------------------------------------------------
 
 def tf_saved_model_modules(hook):
     """The TensorFlow API modules through which callers reach `tf.saved_model.save` (Keras 3's

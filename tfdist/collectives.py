@@ -65,12 +65,12 @@ def horovod():
 def init():
     """Initialise Horovod once (size 1 without a launcher); returns the Horovod module.
 
-    Under Slurm's `srun` without horovodrun or MPI, `tfdist.launch.prepare()` first runs the Gloo
+    Under Slurm's `srun` without horovodrun or MPI, `tfdist.launch.slurm.prepare()` first runs the Gloo
     rendezvous and sets the variables `hvd.init()` reads.
     """
     hvd = horovod()
     if not hvd.is_initialized():
-        from tfdist import launch
+        from tfdist.launch import slurm as launch
 
         launch.prepare(mpi_built=hvd.mpi_built())
         hvd.init()

@@ -51,14 +51,14 @@ def check_dataset(dataset):
 
 def start_items(fingerprint=None):
     """(name, key, shown) triples: `key` is compared, `shown` is what a mismatch message prints."""
-    import tfdist
+    from tfdist._version import __version__
     from tfdist.keras_flavour import keras_module, legacy_requested
 
     source = _sha256_files(sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py"))))
     keras_name = "tf-keras" if legacy_requested() else "Keras"
     items = [
-        ("tfdist version", f"{tfdist.__version__} {source}",
-         f"{tfdist.__version__} (source sha256 {source[:12]})"),
+        ("tfdist version", f"{__version__} {source}",
+         f"{__version__} (source sha256 {source[:12]})"),
         ("TensorFlow version", tf.__version__, tf.__version__),
         ("Keras version", f"{keras_name} {keras_module().__version__}",
          f"{keras_name} {keras_module().__version__}"),

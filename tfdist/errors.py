@@ -35,10 +35,14 @@ class NonFiniteLossError(TfdistError):
 
 
 class SaveSyncError(TfdistError):
-    """A rank's save could not be matched with the chief's (`tfdist.chief_saves`): the chief made
+    """A rank's save could not be matched with the chief's (`tfdist.keras.chief_saves`): the chief made
     no such save within `TFDIST_SAVE_TIMEOUT`, left the job first, or its matching save failed."""
 
 
 class GPUNotFoundError(TfdistError):
     """A job asked for a GPU (`HorovodStrategy(device="gpu")`, `tfdist-benchmark --device gpu`) and
     TensorFlow sees none; the message names the rank, host, driver, CUDA_VISIBLE_DEVICES and build."""
+
+
+class LaunchError(TfdistError):
+    """The launch environment is inconsistent, or the rendezvous could not be completed."""

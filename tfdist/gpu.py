@@ -8,11 +8,11 @@ gpu.early_env(local_rank=1, ids=("0", "1", "2", "3"))
 print(gpu.describe(gpu.in_effect()))  # GPU 1 = NVIDIA H100 80GB HBM3 (cc 9.0), memory growth on
 ```
 
-`tfdist.startup` sets `early_env` for this rank when it runs before TensorFlow loads (`import
+`tfdist.tuning.startup` sets `early_env` for this rank when it runs before TensorFlow loads (`import
 tfdist` first, `tfdist-run`, or `python -m tfdist --` under srun/mpirun): each local rank then
 sees only its own GPU, so TensorFlow creates no context on the others, and allocates GPU memory
 as it needs it. A list the launcher already narrowed to one device (Slurm's `--gpus-per-task=1`)
-is kept. Where TensorFlow loaded first, `tfdist.tuning.apply` does the same through `tf.config`
+is kept. Where TensorFlow loaded first, `tfdist.tuning.plan.apply` does the same through `tf.config`
 (visible devices, memory growth) while it still can, and says so where it cannot.
 
 `require_gpu` is what a job that asked for a GPU (`HorovodStrategy(device="gpu")`,

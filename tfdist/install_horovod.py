@@ -460,7 +460,7 @@ def run(args):
 
 
 def main(argv=None):
-    startup = sys.modules.get("tfdist.startup")  # `python -m tfdist.install_horovod` imported tfdist
+    startup = sys.modules.get("tfdist.tuning.startup")  # `python -m tfdist.install_horovod` imported tfdist
     if startup is not None:
         startup.undo()  # no per-rank tuning or core pinning for the compiler and pip
     parser = argparse.ArgumentParser(allow_abbrev=False,

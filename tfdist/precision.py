@@ -102,7 +102,7 @@ def install():
     global _installed
     if _installed:
         return
-    from tfdist import gradient_exchange
+    from tfdist.exchange import gradients as gradient_exchange
 
     def wrap_check(local_check):
         def check_finite(self, grads):
@@ -138,6 +138,6 @@ def install():
 
 
 def _under_horovod():
-    from tfdist.strategy import HorovodStrategy
+    from tfdist.keras.recognise import is_tfdist_strategy
 
-    return isinstance(tf.distribute.get_strategy(), HorovodStrategy) and collectives.size() > 1
+    return is_tfdist_strategy(tf.distribute.get_strategy()) and collectives.size() > 1

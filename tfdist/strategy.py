@@ -24,13 +24,21 @@ import tempfile
 
 import tensorflow as tf
 
-from tfdist import _compat, chief_saves, collectives, consistency, gradient_exchange, input_contract, keras_callbacks
-from tfdist import keras_metrics, keras_predict, quiet_ranks, rank_variables
-from tfdist import compression as compression_lib
+from tfdist import _compat, collectives, consistency, input_contract
+from tfdist.keras import chief_saves
+from tfdist.exchange import gradients as gradient_exchange
+from tfdist.keras import callback_writes as keras_callbacks
+from tfdist.keras import recognise
+from tfdist.keras.recognise import multi_rank_strategy_of  # noqa: F401  (this module's name for it since 0.1)
+from tfdist import rank_variables
+from tfdist.keras import metrics as keras_metrics
+from tfdist.keras import predictions as keras_predict
+from tfdist.keras import progress as quiet_ranks
+from tfdist.exchange import compression as compression_lib
 from tfdist import watchdog as watchdog_lib
 from tfdist import gpu as gpu_lib
 from tfdist import precision as precision_lib
-from tfdist import tuning as tuning_lib
+from tfdist.tuning import plan as tuning_lib
 from tfdist.cluster_resolver import HorovodClusterResolver
 from tfdist.errors import RankMismatchError
 from tfdist.keras_flavour import legacy_requested
@@ -40,6 +48,7 @@ log = logging.getLogger("tfdist")
 _REDUCE_OPS = {tf.distribute.ReduceOp.SUM: "sum", tf.distribute.ReduceOp.MEAN: "average"}
 
 
+@recognise.register
 class HorovodStrategy(tf.distribute.OneDeviceStrategy):
     """Data-parallel strategy over Horovod: one replica per process, on this rank's device.
 
@@ -59,7 +68,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         compression: gradient compression: None or "none"; "fp16" (floating gradients cast to
             float16 before and back after; halves the bytes sent) or a
             `horovod.tensorflow.Compression`; "powersgd:<rank>" or "topk:<density>" (or a
-            `tfdist.compression.PowerSGD` / `TopK`): low-rank or sparse gradients with error
+            `tfdist.exchange.compression.PowerSGD` / `TopK`): low-rank or sparse gradients with error
             feedback, per-rank state that `callbacks.Checkpointer` saves; they replace the
             optimizer's gradient sum only (docs/COMMUNICATION.md).
         op: how gradients combine across ranks: "average" (Keras' loss scaling by
@@ -78,7 +87,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             per variable at creation).
         precision: None (leave Keras' dtype policy alone), "auto" (pick for the hardware, see
             `tfdist.precision.choose_policy`), or a policy name ("mixed_float16", ...).
-        tuning: True (default) applies `tfdist.tuning`'s per-rank plan (threads, core pinning,
+        tuning: True (default) applies `tfdist.tuning.plan`'s per-rank plan (threads, core pinning,
             oneDNN/OpenMP, one GPU per local rank; on CPU-only nodes a 10 ms Horovod cycle unless
             HOROVOD_CYCLE_TIME or `horovod=` says otherwise), or the choice `tfdist-tune` cached for
             this machine; "measure" first runs `tfdist-tune` for this job's ranks per node when
@@ -104,7 +113,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             overlaps the exchange with the rest of backprop except 0 (docs/PERFORMANCE.md has the
             measurements on emulated 1 Gbit/s links).
         fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
-            kernel, as tf-keras does (`tfdist.keras_fused_batchnorm`: same results, falls back
+            kernel, as tf-keras does (`tfdist.keras.fused_batchnorm`: same results, falls back
             where it would differ); False leaves Keras' own implementation.
     """
 
@@ -113,7 +122,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
                  fingerprint=None, fused_batchnorm=True, bucket_mb=None):
         tuning_lib.set_horovod_knobs(horovod or {})
         if tuning == "measure":
-            from tfdist import startup, tune
+            from tfdist.tuning import startup
+            from tfdist.tuning import tuner as tune
 
             tune.ensure_measured(*startup.local_layout())
         horovod_defaults = tuning_lib.set_horovod_defaults() if tuning is not False else {}
@@ -160,7 +170,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         chief_saves.install()
         quiet_ranks.install()  # only the chief prints Keras' progress bars and warnings
         if fused_batchnorm and not legacy_requested():
-            from tfdist import keras_fused_batchnorm
+            from tfdist.keras import fused_batchnorm as keras_fused_batchnorm
 
             keras_fused_batchnorm.install()
         precision_lib.install()
@@ -189,7 +199,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
 
     @property
     def compressor(self):
-        """The `tfdist.compression.Compressor` of the gradient exchange, or None."""
+        """The `tfdist.exchange.compression.Compressor` of the gradient exchange, or None."""
         return self.extended._compressor
 
     @property
@@ -486,17 +496,6 @@ class _HorovodReplicaContext(tf.distribute.ReplicaContext):
     @property
     def devices(self):
         return self._strategy.extended.worker_devices
-
-
-def multi_rank_strategy_of(model):
-    """The `HorovodStrategy` `model` trains under when it spans more than one rank, else None.
-
-    What the Keras hooks (metrics, predict, callbacks) ask before acting differently from Keras.
-    """
-    strategy = getattr(model, "distribute_strategy", None)
-    if isinstance(strategy, HorovodStrategy) and collectives.size() > 1:
-        return strategy
-    return None
 
 
 def _shapes_agree(tensors):

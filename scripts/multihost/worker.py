@@ -9,7 +9,7 @@ Modes, all on tf-keras (or Keras 3 with --keras keras3) and the same model:
   tfdist   HorovodStrategy(bucket_mb=..., compression=...) + model.fit (bucket_mb 0: one collective
            per dtype, 'ready': each gradient as it exists); --cycle_ms sets Horovod's cycle
   horovod  Horovod's documented loop: hvd.DistributedGradientTape + hvd.broadcast_variables, after
-           tfdist.launch.prepare() turned the SLURM_* variables into Horovod's Gloo environment
+           tfdist.launch.slurm.prepare() turned the SLURM_* variables into Horovod's Gloo environment
   mwms     tf.distribute.MultiWorkerMirroredStrategy + model.fit, workers from TF_CONFIG
   none     one process, plain model.fit (the 1-rank baseline)
 Writes `rank<R>.json` in --out: every step time (warm-up included, and marked), gradient bytes,
@@ -41,7 +41,7 @@ PARSER.add_argument("--out", required=True)
 
 
 def benchmark_args(args):
-    """The fields tfdist.benchmark.run's loops read."""
+    """The fields tfdist.benchmark.train_benchmark's loops read."""
     return argparse.Namespace(model=args.model, batch_size=args.batch_size, image_size=args.image_size,
                               num_classes=args.num_classes, num_warmup_batches=args.warmup,
                               num_batches=args.steps, data_dir=None, eval_dir=None, epochs=None,
@@ -54,7 +54,7 @@ def main():
     import tfdist  # noqa: F401  (early settings: the parent set threads; taskset set the core)
     import tensorflow as tf
 
-    from tfdist import tuning
+    from tfdist.tuning import plan as tuning
     from tfdist.benchmark import run as bench
     from tfdist.keras_flavour import keras_module
 
@@ -70,7 +70,7 @@ def main():
     elif args.mode == "horovod":
         import horovod.tensorflow as hvd
 
-        from tfdist import launch
+        from tfdist.launch import slurm as launch
 
         launched = launch.prepare(mpi_built=hvd.mpi_built()).describe()
         hvd.init()

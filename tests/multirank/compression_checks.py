@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist.callbacks import Checkpointer, accumulate_gradients  # noqa: E402
-from tfdist.compression import PowerSGD, TopK  # noqa: E402
+from tfdist.exchange.compression import PowerSGD, TopK  # noqa: E402
 
 keras = keras_module()
 SHAPES = [(12, 10), (3, 3, 4, 6), (10,)]  # a dense kernel, a conv kernel (36 x 6), a bias

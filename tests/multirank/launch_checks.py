@@ -41,8 +41,8 @@ def main():
                      "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
                      "cross_size": hvd.cross_size()},
         "horovod_env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_", "NCCL_"))},
-        "startup": tfdist.startup.state(), "cpus": sorted(os.sched_getaffinity(0)),
-        "intra_op_threads": tfdist.tuning.in_effect()["intra_op_threads"],
+        "startup": tfdist.tuning.startup.state(), "cpus": sorted(os.sched_getaffinity(0)),
+        "intra_op_threads": tfdist.tuning.plan.in_effect()["intra_op_threads"],
         "steps": int(model.optimizer.iterations.numpy()),
         "final": [w.tolist() for w in model.get_weights()],
     })

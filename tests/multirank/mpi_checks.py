@@ -38,7 +38,7 @@ def launch_info(strategy):
     hvd = tfdist.collectives.horovod()
     return {"rank": strategy.rank, "size": strategy.size, "mpi_enabled": bool(hvd.mpi_enabled()),
             "gloo_enabled": bool(hvd.gloo_enabled()), "ompi_rank": os.environ.get("OMPI_COMM_WORLD_RANK"),
-            "startup": {k: v for k, v in (tfdist.startup.state() or {}).items()
+            "startup": {k: v for k, v in (tfdist.tuning.startup.state() or {}).items()
                         if k in ("route", "layout", "pinned", "bound_by_launcher")},
             "keras": keras.__name__}
 

@@ -31,7 +31,7 @@ import tfdist  # noqa: E402
 from tfdist.callbacks import Checkpointer  # noqa: E402
 from tfdist.callbacks.checkpoint import training_variables  # noqa: E402
 from tfdist.pipelines import read_dataset  # noqa: E402
-from tfdist.recovery import restart_info  # noqa: E402
+from tfdist.launch.recovery import restart_info  # noqa: E402
 
 keras = keras_module()
 GLOBAL_BATCH = 48  # divides by 3 and by 2: kept when a 3-rank job goes on with 2

@@ -3,7 +3,7 @@
     horovodrun -np 2 --gloo python tests/multirank/saving_checks.py --dir SHARED --out OUT [--no-watchdog]
 
 Every rank runs the same checks on files in SHARED (the chief writes shared paths, the other
-ranks wait for it: tfdist.chief_saves) and writes what it saw to OUT/rank<r>.json: per check,
+ranks wait for it: tfdist.keras.chief_saves) and writes what it saw to OUT/rank<r>.json: per check,
 the loads that succeeded and matched what was saved, errors, and the save numbers of the rank.
 With --no-watchdog (no channel to the chief) it runs the few checks that still hold then.
 """
@@ -23,7 +23,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist import chief_saves, collectives  # noqa: E402
+from tfdist import collectives  # noqa: E402
+from tfdist.keras import chief_saves
 
 keras = keras_module()
 TF_KERAS = keras.__name__ == "tf_keras"

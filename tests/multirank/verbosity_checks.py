@@ -43,7 +43,7 @@ def main():
     model.evaluate(x, y, batch_size=16, **verbose)
     model.predict(x, batch_size=16, **verbose)
     write_results(args.out, strategy.rank, {"tf_cpp_min_log_level": os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
-                                            "startup": tfdist.startup.state()})
+                                            "startup": tfdist.tuning.startup.state()})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Models for tfdist-benchmark (tfdist.benchmark.run), built with whichever Keras module is passed in.
+"""Models for tfdist-benchmark (tfdist.benchmark.train_benchmark), built with whichever Keras module is passed in.
 
     from tfdist.keras_flavour import keras_module
     model = build_model(keras_module(), "resnet50_v1.5", image_size=224, num_classes=1000)

@@ -31,7 +31,7 @@ def run_one(mode, ranks, global_batch, extra, out_json):
     mode, *own_args = shlex.split(mode)
     mode, _, flavour = mode.partition(":")
     flavour_args = ["--keras", flavour] if flavour else []
-    bench = [sys.executable, "-m", "tfdist.benchmark.run", "--variable_update", mode, *flavour_args,
+    bench = [sys.executable, "-m", "tfdist.benchmark.train_benchmark", "--variable_update", mode, *flavour_args,
              "--batch_size", str(global_batch // ranks), "--json", out_json, *extra, *own_args]
     command = bench if mode == "none" else [os.path.join(BIN, "horovodrun"), "-np", str(ranks), "--gloo", *bench]
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -54,7 +54,7 @@ def main():
     parser.add_argument("--out", default="scaling")
     parser.add_argument("extra", nargs="*", help="after --: arguments for tfdist-benchmark")
     args = parser.parse_args()
-    from tfdist import startup
+    from tfdist.tuning import startup
 
     startup.undo()  # each benchmark process applies its own settings (or none)
     configs = [(m, r) for m in args.modes for r in args.ranks if not (m.startswith("none") and r > 1)]

@@ -1,6 +1,6 @@
 """The chief's save notices ("save #k done, path P"), sent over the watchdog's connections.
 
-`tfdist.chief_saves` numbers each rank's saves. The chief announces every finished save to the
+`tfdist.keras.chief_saves` numbers each rank's saves. The chief announces every finished save to the
 other ranks (`announce`); another rank's k-th save waits for the chief's notice #k (`wait_for`)
 before it writes anything, so once any rank's save returns, the chief's file is complete. The
 notices travel on the watchdog's TCP connections (rank 0's main thread sends, each other rank's
@@ -106,5 +106,5 @@ def _unmatched(call, number, waited, what_happened):
             "Likely cause: the chief never made a matching save. Every rank must make the same saves in "
             "the same order (the chief writes a shared path, the others wait for it); a save made on some "
             "ranks only shifts the numbering. Save on every rank, or on the chief only (`if "
-            "strategy.is_chief:`), inside `tfdist.chief_saves.chief_only_saves()` if other saves run on "
+            "strategy.is_chief:`), inside `tfdist.keras.chief_saves.chief_only_saves()` if other saves run on "
             "every rank")

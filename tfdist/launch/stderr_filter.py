@@ -10,7 +10,7 @@ I0000 00:00:1795485151.146170   20027 port.cc:153] oneDNN custom operations are 
 ```
 
 `python -m tfdist --` (what `tfdist-run` starts every rank with) calls `start(level)` on ranks
-other than 0 with their `TF_CPP_MIN_LOG_LEVEL` (`tfdist.startup.quiet_log_level`'s, or the one you
+other than 0 with their `TF_CPP_MIN_LOG_LEVEL` (`tfdist.tuning.startup.quiet_log_level`'s, or the one you
 set), unless `TFDIST_QUIET_RANKS=0`, just before it executes the command. fd 2 then goes through
 a small process that drops absl's header line and the absl-format lines below that level (I and
 W for "2", also E for "3"; never F) and forwards everything else unchanged, line by line as it

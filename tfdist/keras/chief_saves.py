@@ -13,7 +13,7 @@ in a thread: the calls it makes itself are part of it) runs inside `rank_variabl
 - on the chief (rank 0) writes the requested path. A single local file (`.keras`, `.h5`,
   `.weights.h5`) is written to a hidden sibling with the same suffix, fsynced and renamed into
   place, so a reader sees the previous file or the new one, never part of one (other ranks' own
-  files too). Then the chief tells the others "save #k done, path P" (`tfdist.save_notices`).
+  files too). Then the chief tells the others "save #k done, path P" (`tfdist.keras.save_notices`).
 - on another rank, its k-th save first waits until the chief's save #k is done (at most
   `TFDIST_SAVE_TIMEOUT` seconds, default 600; then `SaveSyncError`). If it asked for the chief's
   path (or one the chief saved to before), it writes its copy to a private temp dir instead (said
@@ -41,7 +41,9 @@ import weakref
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives, durable, keras_callbacks, rank_variables, save_notices
+from tfdist import _compat, collectives, durable, rank_variables
+from tfdist.keras import recognise
+from tfdist.keras import save_notices
 from tfdist.errors import SaveSyncError
 from tfdist.watchdog_support import describe_exception, host_name
 
@@ -295,7 +297,7 @@ def _unsynchronised_save(call):
 
 
 def _copies_root():
-    return os.path.join(keras_callbacks.scratch_dir(), "saves")
+    return os.path.join(recognise.scratch_dir(), "saves")
 
 
 def _write_copy(call, redirected=False):

@@ -7,7 +7,7 @@ in task 0 (a daemon thread), waits until every task has checked in, and sets the
 variables Horovod's Gloo controller reads. `HorovodStrategy()` under `srun` therefore just works:
 
 ```python
-from tfdist import launch
+from tfdist.launch import slurm as launch
 env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
        "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_ID": "42"}
 topo = launch.slurm_topology(env)
@@ -29,7 +29,7 @@ import socket
 import subprocess
 import zlib
 
-from tfdist.errors import TfdistError
+from tfdist.errors import LaunchError
 
 log = logging.getLogger("tfdist")
 
@@ -41,10 +41,6 @@ SRUN_MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 DEFAULT_TIMEOUT_S = 120
 PORT_BASE, PORT_SPAN = 20000, 10000
-
-
-class LaunchError(TfdistError):
-    """The launch environment is inconsistent, or the rendezvous could not be completed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +340,7 @@ def prepare(mpi_built=False, env=None):
                               "with `tfdist-run` / `horovodrun --gloo`, or rebuild Horovod with MPI.")
     if launcher != "slurm":
         return LaunchInfo(launcher)
-    from tfdist.rendezvous import RendezvousServer, check_in
+    from tfdist.launch.rendezvous import RendezvousServer, check_in
 
     topo = slurm_topology(env, use_scontrol=env is os.environ)
     if topo.size == 1:

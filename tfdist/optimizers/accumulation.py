@@ -1,7 +1,7 @@
 """Gradient accumulation: k micro-batches per optimizer update, one allreduce per update.
 
 ```python
-from tfdist.callbacks import accumulate_gradients
+from tfdist.optimizers import accumulate_gradients
 optimizer = accumulate_gradients(keras.optimizers.SGD(0.1, momentum=0.9), steps=4)
 ```
 
@@ -14,7 +14,7 @@ size B give the update of one batch of size k*B.
 
 import tensorflow as tf
 
-from tfdist.callbacks._keras import keras_module
+from tfdist.keras_flavour import keras_module
 
 keras = keras_module()
 _accumulating_classes = {}

@@ -1,7 +1,7 @@
 """How HorovodStrategy exchanges gradients: each as it is ready, buckets, one collective, Adasum, compressed.
 
 ```python
-from tfdist import gradient_exchange
+from tfdist.exchange import gradients as gradient_exchange
 grads = [tf.zeros([1000, 1000]), tf.zeros([1000]), tf.zeros([10, 1000])]   # layer order
 print(gradient_exchange.buckets(grads, 1 << 20))      # [[2, 1], [0]]: 1 MiB buckets, last first
 ```
@@ -16,7 +16,7 @@ Adasum (`op="adasum"`) replaces the optimizer's gradient sum only: tf-keras call
 `batch_reduce_to(SUM, grads_and_vars)` with the variables as destinations; Keras 3 sums gradients
 with `ReplicaContext.all_reduce(SUM, ...)` like synchronized BatchNormalization does its
 statistics, so `install_gradient_marker()` marks the optimizer's call. Compression
-(`tfdist.compression`) replaces the same sum, and only it.
+(`tfdist.exchange.compression`) replaces the same sum, and only it.
 """
 
 import contextlib
@@ -52,7 +52,7 @@ def exchange(values, op, compression=None, bucket_bytes=0, adasum=False, compres
 
     `bucket_bytes`: None sends each value as an allreduce of its own the moment it exists
     (Horovod fuses whatever is ready each cycle), 0 one grouped allreduce, else buckets of about
-    that size. `compressor` (a `tfdist.compression.Compressor`, gradient sums only) exchanges
+    that size. `compressor` (a `tfdist.exchange.compression.Compressor`, gradient sums only) exchanges
     each part compressed, with `variables` (one per value) keying its per-rank state.
     """
     def reduce(indices):

@@ -28,7 +28,8 @@ import sys
 import tempfile
 
 from tfdist.errors import TfdistError
-from tfdist.launcher_output import TAIL_LINES, launcher_noise, run_once  # noqa: F401  (re-exported)
+from tfdist.launch.hosts import parse_host_slots
+from tfdist.launch.launcher_output import TAIL_LINES, launcher_noise, run_once  # noqa: F401  (re-exported)
 
 RESTART_ENV = "TFDIST_RESTART"
 CAUSE_ENV = "TFDIST_RESTART_CAUSE"
@@ -199,17 +200,7 @@ def decide(failure, history, restarts_done, max_restarts):
 
 def parse_host_lines(text, source):
     """'h1:2\\nh2:1\\n' (host[:slots] per line, like horovodrun's discovery) -> [('h1', 2), ('h2', 1)]."""
-    hosts = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, _, slots = line.partition(":")
-        if not name or (slots and not slots.isdigit()):
-            raise RecoveryError(f"{source}: expected host[:slots] lines, got {line!r}")
-        if int(slots or 1) > 0:
-            hosts.append((name, int(slots or 1)))
-    return hosts
+    return parse_host_slots(text.splitlines(), source, error=RecoveryError, zero_slots="drop")
 
 
 def run_discovery(script, timeout=30):
@@ -230,7 +221,7 @@ def slurm_hosts(slots_per_node, env=None, run=subprocess.run):
     A node that fails under `sbatch --no-kill` leaves the job's NodeList; `sinfo` catches a
     node still listed but marked down. `slots_per_node` ranks per node, as the first launch used.
     """
-    from tfdist import launch
+    from tfdist.launch import slurm as launch
 
     env = os.environ if env is None else env
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")

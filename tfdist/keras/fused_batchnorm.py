@@ -3,7 +3,7 @@
 Example::
 
     import numpy as np, keras
-    from tfdist import keras_fused_batchnorm
+    from tfdist.keras import fused_batchnorm as keras_fused_batchnorm
 
     keras_fused_batchnorm.install()          # every keras.layers.BatchNormalization, old and new
     layer = keras.layers.BatchNormalization()

@@ -1,8 +1,8 @@
 """Which gradients a compressor compresses, and what it sends: pure Python, shared by
-`tfdist.compression` (which runs it) and `tfdist-predict` (which models it, without TensorFlow).
+`tfdist.exchange.compression` (which runs it) and `tfdist-predict` (which models it, without TensorFlow).
 
 ```python
-from tfdist import compression_plan
+from tfdist.exchange import compression_plan
 compression_plan.parse("powersgd:4")                     # ("powersgd", 4)
 compression_plan.powersgd_plan([3, 3, 64, 128], rank=4)  # (576, 128, 4): rows, cols, rank
 compression_plan.wire_bytes([[3072, 2048], [2048]], "topk:0.01", ranks=2)

@@ -3,7 +3,7 @@
 ```python
 import tfdist
 strategy = tfdist.HorovodStrategy(compression="powersgd:4")   # rank 4; or "topk:0.01" (1% density)
-strategy = tfdist.HorovodStrategy(compression=tfdist.compression.PowerSGD(rank=2))
+strategy = tfdist.HorovodStrategy(compression=tfdist.exchange.compression.PowerSGD(rank=2))
 ```
 
 Both replace only the optimizer's gradient sum (`fit`, `optimizer.apply_gradients`), as
@@ -32,7 +32,8 @@ communication hooks under AMP).
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _compat, collectives, compression_plan
+from tfdist import _compat, collectives
+from tfdist.exchange import compression_plan
 
 
 class Compressor:
@@ -132,7 +133,7 @@ class PowerSGD(Compressor):
             matrix (a rank-full approximation is then exact).
         seed: the seed of Q's first value (the same on every rank).
 
-    Example: `tfdist.HorovodStrategy(compression=tfdist.compression.PowerSGD(rank=4))`.
+    Example: `tfdist.HorovodStrategy(compression=tfdist.exchange.compression.PowerSGD(rank=4))`.
     """
 
     name = "powersgd"
@@ -187,7 +188,7 @@ class TopK(Compressor):
         density: the fraction of each gradient's entries a rank sends (0 < density < 0.5).
         min_entries: tensors with fewer entries go uncompressed.
 
-    Example: `tfdist.HorovodStrategy(compression=tfdist.compression.TopK(density=0.01))`.
+    Example: `tfdist.HorovodStrategy(compression=tfdist.exchange.compression.TopK(density=0.01))`.
     """
 
     name = "topk"

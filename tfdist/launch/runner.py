@@ -10,7 +10,7 @@ tfdist-run --dry-run -np 2 python train.py                  # print the command,
 
 Every rank starts as `python -m tfdist -- <command>`: its share of the node's cores, thread
 counts and oneDNN are set per rank before the command's Python (and TensorFlow) starts
-(`tfdist.startup`; `--no-tuning` launches the command as it is).
+(`tfdist.tuning.startup`; `--no-tuning` launches the command as it is).
 
 `--launcher auto` (the default) picks srun inside a Slurm allocation (`SLURM_JOB_ID` set and
 `srun` on the PATH), else horovodrun. A leading `python`/`python3` becomes this interpreter
@@ -20,7 +20,7 @@ command is printed first (stderr), and its exit status is tfdist-run's.
 Before launching, a missing script (`python missing.py`) or program is refused, naming it, when
 every rank runs on this host (`check_command`). tfdist-run stays the launcher's parent: a failed
 job ends with one line naming the first rank that failed, its host and the cause
-(`tfdist.job_summary`).
+(`tfdist.launch.job_summary`).
 """
 
 import argparse
@@ -32,6 +32,7 @@ import socket
 import sys
 
 from tfdist.errors import TfdistError
+from tfdist.launch.hosts import parse_host_slots
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
 
@@ -42,13 +43,7 @@ class UsageError(TfdistError):
 
 def parse_hosts(hosts):
     """'node1:2,node2:2' -> [('node1', 2), ('node2', 2)]; a host without ':N' has 1 slot."""
-    parsed = []
-    for item in hosts.split(","):
-        name, _, slots = item.strip().partition(":")
-        if not name or (slots and not slots.isdigit()) or slots == "0":
-            raise UsageError(f"-H {hosts!r}: expected host[:slots],host[:slots],... at {item!r}")
-        parsed.append((name, int(slots or 1)))
-    return parsed
+    return parse_host_slots(hosts.split(","), f"-H {hosts!r}", error=UsageError)
 
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
@@ -171,7 +166,7 @@ def build_command(launcher, command, np=None, hosts=None, extra=(), env=None, as
         elif not any(env.get(v) for v in ALLOCATION_VARIABLES):
             # As horovodrun: N slots on this host, however many cores it has (Open MPI counts cores).
             argv += ["-H", f"localhost:{np}"]
-        # tfdist.startup pins each rank to its share of the node's cores; mpirun must not bind too.
+        # tfdist.tuning.startup pins each rank to its share of the node's cores; mpirun must not bind too.
         argv += ["-bind-to", "none", "-map-by", "slot"]
         for name in sorted(env):
             if name in MPI_FORWARD or (name.startswith(MPI_FORWARD_PREFIXES) and name not in MPI_NO_FORWARD):
@@ -248,7 +243,7 @@ def main(argv=None):
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     supervised = bool(args.max_restarts or args.min_np is not None or args.host_discovery_script)
-    from tfdist import startup
+    from tfdist.tuning import startup
 
     startup.undo()  # the ranks apply their own settings, not this launcher's
     command = list(args.command)
@@ -292,7 +287,8 @@ def main(argv=None):
         return 2
     print(f"tfdist-run: {launcher}: {shlex.join(argv_out)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    from tfdist import job_summary, recovery
+    from tfdist.launch import job_summary
+    from tfdist.launch import recovery
 
     hosts = parse_hosts(args.hosts) if args.hosts else None
     # The launcher's exit status becomes ours; a failure ends with one line naming its cause.
@@ -300,8 +296,8 @@ def main(argv=None):
 
 
 def _supervise(args, launcher, command, user_command):
-    """tfdist-run as the launcher's parent: relaunch after failures (`tfdist.recovery`)."""
-    from tfdist import recovery
+    """tfdist-run as the launcher's parent: relaunch after failures (`tfdist.launch.recovery`)."""
+    from tfdist.launch import recovery
 
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
@@ -320,7 +316,7 @@ def _supervise(args, launcher, command, user_command):
             raise UsageError(f"--min-np {args.min_np}: expected 1 to -np {np_}")
         slurm_slots = None
         if (launcher == "srun" and not hosts and args.min_np is not None and args.min_np < np_):
-            from tfdist import launch
+            from tfdist.launch import slurm as launch
 
             nodes = launch.node_names(os.environ.get("SLURM_JOB_NODELIST", "")) or ["?"]
             slurm_slots = -(-np_ // len(nodes))

@@ -1,7 +1,7 @@
 """The launcher's output, copied through `tfdist-run` line by line, its last lines kept.
 
-`tfdist-run` stays the launcher's parent (for its failure summary, `tfdist.job_summary`, and for
-`--max-restarts`, `tfdist.recovery`). It copies the launcher's stdout and stderr through as they
+`tfdist-run` stays the launcher's parent (for its failure summary, `tfdist.launch.job_summary`, and for
+`--max-restarts`, `tfdist.launch.recovery`). It copies the launcher's stdout and stderr through as they
 come and keeps the last `TAIL_LINES` lines to analyse. horovodrun imports TensorFlow itself, to
 check its Horovod build, before it starts any rank: those start-up lines, a third copy of what
 the ranks print, are dropped (`launcher_noise`); nothing else is. No TensorFlow here.

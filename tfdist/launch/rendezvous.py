@@ -6,7 +6,8 @@ Horovod's Gloo setup (whose timeout is short, 30 s) while another has not starte
 never comes is named, as is an address nobody can reach.
 
 ```python
-from tfdist import launch, rendezvous
+from tfdist.launch import slurm as launch
+from tfdist.launch import rendezvous
 topo = launch.slurm_topology({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1",
                               "SLURM_JOB_NODELIST": "localhost", "SLURM_LOCALID": "0"})
 server = rendezvous.RendezvousServer(topo, port=29123, token="job.0")
@@ -21,7 +22,7 @@ import urllib.error
 import urllib.request
 
 from tfdist import _compat
-from tfdist.launch import LaunchError
+from tfdist.errors import LaunchError
 
 _SCOPE = "tfdist"  # scope of tfdist's own check-in keys, apart from Gloo's scopes
 _POLL_S = 0.2

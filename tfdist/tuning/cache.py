@@ -5,7 +5,7 @@ One JSON file per (CPU model, usable cpus, TensorFlow version) under `$TFDIST_CA
 settings and the table they were chosen from.
 
 ```python
-from tfdist import tuning_cache
+from tfdist.tuning import cache as tuning_cache
 print(tuning_cache.path())                # this machine's file
 print(tuning_cache.choice_for(local_size=1))  # {} until tfdist-tune has run here
 ```

@@ -28,7 +28,8 @@ import statistics
 import sys
 import time
 
-from tfdist import argtypes, startup
+from tfdist import argtypes
+from tfdist.tuning import startup
 from tfdist.benchmark.models import MODELS, build_model, model_name
 
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -266,7 +267,7 @@ def start(args):
                                           fused_batchnorm=args.fused_batchnorm == "on",
                                           tuning=False if args.no_tuning else (overrides or True))
         tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
-        from tfdist import keras_fused_batchnorm
+        from tfdist.keras import fused_batchnorm as keras_fused_batchnorm
 
         tuning += f"; fused BatchNormalization: {'on' if keras_fused_batchnorm.is_installed() else 'off'}"
         return keras, strategy, tuning, strategy.size, strategy.rank
@@ -312,7 +313,7 @@ def main():
     if args.epochs and args.variable_update in ("horovod", "mwms"):
         PARSER.error(f"--epochs (accuracy runs) is for --variable_update tfdist or none, not {args.variable_update}")
     if args.compression:
-        from tfdist import compression_plan
+        from tfdist.exchange import compression_plan
 
         try:
             compression_plan.parse(args.compression)
@@ -335,8 +336,8 @@ def main():
 
     import tensorflow as tf
 
-    from tfdist import tuning as tuning_lib
-    from tfdist.tuning_cache import cpu_model
+    from tfdist.tuning import plan as tuning_lib
+    from tfdist.tuning.cache import cpu_model
 
     from tfdist.errors import GPUNotFoundError
 

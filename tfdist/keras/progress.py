@@ -5,7 +5,7 @@ progress bar, and launchers interleave them (`[1]<stdout>:[0]<stdout>:...`). Ins
 `HorovodStrategy()`, this makes ranks other than 0 run `fit`, `evaluate` and `predict` with
 `verbose=0` when the call leaves `verbose` at Keras' default ("auto", or not given), on Keras 3 and
 tf-keras. The chief's output is Keras' own, and the logs it prints are global
-(`tfdist.keras_metrics`). A `verbose=` passed explicitly is obeyed on every rank:
+(`tfdist.keras.metrics`). A `verbose=` passed explicitly is obeyed on every rank:
 
 ```python
 model.fit(ds, epochs=3)                 # rank 0 prints the progress bar; the others print nothing
@@ -16,7 +16,7 @@ The same ranks also ignore Keras' Python `UserWarning`s (e.g. "`shuffle=True` wa
 will be ignored ..."): every rank runs the same code and would print the same warning.
 
 `TFDIST_QUIET_RANKS=0` turns all of this off (and keeps TensorFlow's C++ start-up log on every
-rank, which `tfdist.startup` otherwise quiets on ranks other than 0). Models under other
+rank, which `tfdist.tuning.startup` otherwise quiets on ranks other than 0). Models under other
 strategies, and one-process jobs, are untouched.
 """
 
@@ -24,7 +24,8 @@ import functools
 import inspect
 import warnings
 
-from tfdist import _compat, collectives, startup
+from tfdist import _compat, collectives
+from tfdist.tuning import startup
 
 HOOK = "chief-only progress bars"
 METHODS = ("fit", "evaluate", "predict")
@@ -83,6 +84,6 @@ def _chief_only_progress(method):
 
 
 def _quiet_model(model):
-    from tfdist.strategy import multi_rank_strategy_of
+    from tfdist.keras.recognise import multi_rank_strategy_of
 
     return multi_rank_strategy_of(model) is not None and quieted()

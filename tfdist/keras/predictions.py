@@ -47,7 +47,7 @@ def _patch(model_class, flavour):
 
 
 def _gathers(model):
-    from tfdist.strategy import multi_rank_strategy_of
+    from tfdist.keras.recognise import multi_rank_strategy_of
 
     strategy = multi_rank_strategy_of(model)
     return strategy is not None and _compat.global_batch_size(strategy.extended)

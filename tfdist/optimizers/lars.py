@@ -1,7 +1,8 @@
 """LARS (You, Gitman, Ginsburg 2017) and the LARC wrapper, for Keras 3 and tf-keras.
 
 ```python
-from tfdist.callbacks import LARS, WarmupSchedule, polynomial_decay
+from tfdist.optimizers import LARS
+from tfdist.callbacks import WarmupSchedule, polynomial_decay
 optimizer = LARS(WarmupSchedule(polynomial_decay(9.0, total_steps), warmup_steps), momentum=0.9,
                  weight_decay=5e-4)
 model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
@@ -26,7 +27,7 @@ It acts in the optimizer's update step, i.e. on the all-reduced gradient, so und
 
 import tensorflow as tf
 
-from tfdist.callbacks._keras import keras_module
+from tfdist.keras_flavour import keras_module
 
 keras = keras_module()
 DEFAULT_EXCLUDE = ("bias", "beta", "gamma", "batch_norm", "batchnorm", "layer_norm", "layernorm")

@@ -65,7 +65,7 @@ def _patch(model_class, global_result, flavour):
 
 
 def _uses_horovod(model):
-    from tfdist.strategy import multi_rank_strategy_of
+    from tfdist.keras.recognise import multi_rank_strategy_of
 
     return multi_rank_strategy_of(model) is not None
 

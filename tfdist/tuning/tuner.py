@@ -25,7 +25,7 @@ what they were worth in measurements (oneDNN, ranks per node and pinning first, 
 and a 1 ms Horovod cycle last, see docs/PERFORMANCE.md), and the skipped ones are named.
 
 It prints the table it measured and caches the fastest candidate per ranks-per-node for this
-(CPU model, cpus, TensorFlow version, model) in `tfdist.tuning_cache`. Later jobs on this machine
+(CPU model, cpus, TensorFlow version, model) in `tfdist.tuning.cache`. Later jobs on this machine
 (`import tfdist`, `tfdist-run`, `HorovodStrategy()`) apply the cached choice at no cost.
 """
 
@@ -37,7 +37,8 @@ import sys
 import tempfile
 import time
 
-from tfdist import startup, tuning_cache
+from tfdist.tuning import startup
+from tfdist.tuning import cache as tuning_cache
 
 # In the order they are measured: when --budget runs out, the last ones are skipped (and named).
 CANDIDATES = ("defaults", "onednn_flip", "plan", "ranks2", "ranks2_nopin", "inter1", "ranks2_cycle1")
@@ -73,7 +74,7 @@ def describe_choice(choice):
 def run_candidate(name, ranks, choice, args, scratch):
     """One benchmark process (or `ranks` of them); returns its result dict."""
     out = os.path.join(scratch, f"{name}.json")
-    bench = [sys.executable, "-m", "tfdist.benchmark.run", "--model", args.model,
+    bench = [sys.executable, "-m", "tfdist.benchmark.train_benchmark", "--model", args.model,
              "--image_size", str(args.image_size), "--num_classes", str(args.num_classes),
              "--batch_size", str(args.global_batch // ranks), "--num_warmup_batches", "1",
              "--num_batches", str(args.steps), "--display_every", str(args.steps), "--json", out,

@@ -17,9 +17,11 @@ rank, so they take the same decisions. Models under other strategies are untouch
 
 import functools
 import os
-import tempfile
 
-from tfdist import _compat, collectives
+from tfdist import _compat
+from tfdist.keras import recognise
+from tfdist.keras.chief_saves import chief_only_saves
+from tfdist.keras.recognise import non_chief_rank, scratch_dir  # noqa: F401  (used by the wrappers)
 
 HOOK = "chief-only callback writes"
 
@@ -52,33 +54,16 @@ def _allow_horovod_strategy(original):
     # tf-keras' BackupAndRestore refuses strategies it does not know: add HorovodStrategy.
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
-        from tfdist.strategy import HorovodStrategy
-
         supported = getattr(self, _compat.TF_KERAS_SUPPORTED_STRATEGIES, None)
         if supported is None:
             raise _compat.hook_error(HOOK, f"tf-keras BackupAndRestore has no {_compat.TF_KERAS_SUPPORTED_STRATEGIES}; "
                                      "cannot allow HorovodStrategy", "tf_keras")
-        if HorovodStrategy not in supported:
-            setattr(self, _compat.TF_KERAS_SUPPORTED_STRATEGIES, tuple(supported) + (HorovodStrategy,))
+        missing = tuple(c for c in recognise.strategy_classes() if c not in supported)
+        if missing:
+            setattr(self, _compat.TF_KERAS_SUPPORTED_STRATEGIES, tuple(supported) + missing)
         return original(self, logs)
 
     return on_train_begin
-
-
-def non_chief_rank(model):
-    """This rank's number if `model` trains under a multi-rank HorovodStrategy and it is not the chief."""
-    from tfdist.strategy import multi_rank_strategy_of
-
-    if multi_rank_strategy_of(model) is not None and collectives.rank() != 0:
-        return collectives.rank()
-    return None
-
-
-def scratch_dir():
-    """A private directory of this process, for files nobody will read."""
-    if "dir" not in _scratch:
-        _scratch["dir"] = tempfile.mkdtemp(prefix=f"tfdist-rank{collectives.rank()}-")
-    return _scratch["dir"]
 
 
 def _checkpoint_to_scratch(callback, model):
@@ -105,8 +90,6 @@ def _before(method, redirect, model_arg=False):
 def _chief_only(method):
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
-        from tfdist.chief_saves import chief_only_saves  # (chief_saves imports this module)
-
         if non_chief_rank(self.model) is not None:
             return None
         with chief_only_saves():  # the others make no such save: it must not shift their numbering

@@ -24,7 +24,7 @@ It prints a table per rank count and writes a PNG plot (images/s against ranks, 
 
 Compression (`--compression none fp16 powersgd:4 topk:0.01`, one table row per method and rank
 count): the gradient bytes become what the method puts on the wire for the model's gradient
-shapes (`--model resnet50` or `--shapes 3072x2048 2048 ...`; `tfdist.compression_plan`), as
+shapes (`--model resnet50` or `--shapes 3072x2048 2048 ...`; `tfdist.exchange.compression_plan`), as
 allreduce-equivalent bytes (top-k's allgather grows with the rank count), and its compute
 (flops / `--compress_gflops`) is added to the step, unhidden.
 
@@ -41,7 +41,8 @@ import dataclasses
 import math
 import sys
 
-from tfdist import argtypes, compression_plan
+from tfdist import argtypes
+from tfdist.exchange import compression_plan
 
 
 @dataclasses.dataclass(frozen=True)

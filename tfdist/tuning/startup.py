@@ -12,7 +12,7 @@ before `import tensorflow`; set later, they silently do nothing. Three routes pu
 ```python
 import tfdist                 # applies this rank's settings (TFDIST_TUNING=0 turns this off)
 import tensorflow as tf
-print(tfdist.startup.state()) # what was set, by which route, and what the user had set already
+print(tfdist.tuning.startup.state()) # what was set, by which route, and what the user had set already
 ```
 
 The local rank and rank count come from the launcher's environment (horovodrun, Open MPI,
@@ -20,100 +20,30 @@ MPICH/Intel MPI, an srun step). This module never imports TensorFlow: `tfdist-ru
 
 Ranks other than 0 also get `TF_CPP_MIN_LOG_LEVEL` (`quiet_log_level`) unless it is set already,
 and under `python -m tfdist --` a filter that applies that level (or yours) to the start-up lines
-that escape it (`tfdist.stderr_filter`): TensorFlow's C++ start-up lines come once, from rank 0.
-`TFDIST_QUIET_RANKS=0` leaves every rank as TensorFlow has it (see `tfdist.quiet_ranks`).
+that escape it (`tfdist.launch.stderr_filter`): TensorFlow's C++ start-up lines come once, from rank 0.
+`TFDIST_QUIET_RANKS=0` leaves every rank as TensorFlow has it (see `tfdist.keras.progress`).
 """
 
 import json
 import os
 import sys
 
-STATE_VARIABLE = "TFDIST_STARTUP"
-SWITCH_VARIABLE = "TFDIST_TUNING"  # "0"/"off": no early settings (HorovodStrategy(tuning=...) still runs)
-QUIET_VARIABLE = "TFDIST_QUIET_RANKS"  # "0"/"off": ranks other than 0 print as rank 0 does
-# The global rank as each launcher sets it: horovodrun, Open MPI, PMIx, MPICH/Intel MPI, srun.
-_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
-_LAYOUT_VARIABLES = (
-    ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
-    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+
+from tfdist.tuning.environment import (  # noqa: F401  (part of this module's interface)
+    QUIET_VARIABLE,
+    STATE_VARIABLE,
+    SWITCH_VARIABLE,
+    _read_state,
+    enabled,
+    externally_bound,
+    launcher_rank,
+    local_layout,
+    node_cpus,
+    quiet_log_level,
+    quiet_ranks,
+    set_by_tfdist,
+    state,
 )
-
-
-def enabled(env=None):
-    return _switch(SWITCH_VARIABLE, env)
-
-
-def _switch(name, env=None):
-    env = os.environ if env is None else env
-    return env.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def quiet_ranks(env=None):
-    """Whether ranks other than 0 stay quiet (`TFDIST_QUIET_RANKS`, on unless "0"/"off")."""
-    return _switch(QUIET_VARIABLE, env)
-
-
-def launcher_rank(env=None):
-    """This process's global rank as its launcher set it; None outside a launched job."""
-    env = os.environ if env is None else env
-    for name in _RANK_VARIABLES:
-        if env.get(name, "").strip().isdigit():
-            return int(env[name])
-    return None
-
-
-def quiet_log_level(env=None):
-    """`TF_CPP_MIN_LOG_LEVEL` for this rank, or None (rank 0, one process, or turned off).
-
-    "2" (no INFO or WARNING lines) where an NVIDIA driver is loaded, so GPU errors still show;
-    "3" on a host without one, where TensorFlow's only start-up error is the failed `cuInit`.
-    """
-    if not launcher_rank(env) or not quiet_ranks(env):
-        return None
-    return "2" if os.path.exists("/proc/driver/nvidia/version") else "3"
-
-
-def local_layout(env=None):
-    """(local rank, ranks on this node) from the launcher's environment; (0, 1) for one process."""
-    env = os.environ if env is None else env
-    for rank_name, size_name in _LAYOUT_VARIABLES:
-        if rank_name in env and size_name in env:
-            return int(env[rank_name]), int(env[size_name])
-    if "SLURM_STEP_ID" in env and "SLURM_LOCALID" in env and "SLURM_STEP_TASKS_PER_NODE" in env:
-        from tfdist.launch import expand_tasks_per_node
-
-        counts = expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
-        node = int(env.get("SLURM_NODEID", "0"))
-        return int(env["SLURM_LOCALID"]), counts[min(node, len(counts) - 1)]
-    return 0, 1
-
-
-def externally_bound(env=None):
-    """Whether the launcher already bound this process to cores (srun --cpu-bind, mpirun --bind-to)."""
-    env = os.environ if env is None else env
-    slurm = env.get("SLURM_CPU_BIND_TYPE", "").strip(",").lower()
-    ompi = env.get("OMPI_MCA_hwloc_base_binding_policy", "").lower()
-    return bool(slurm and slurm not in ("none", "none,")) or bool(ompi and ompi != "none")
-
-
-def state():
-    """What the early settings did in this process, or None: {"route", "set", "kept", "layout", ...}."""
-    found = _read_state()
-    return found if found and found.get("pid") == os.getpid() else None
-
-
-def set_by_tfdist():
-    """Variables that tfdist's early settings put in the environment (here or in a parent process)."""
-    return set((_read_state() or {}).get("set", {}))
-
-
-def node_cpus():
-    """The cpus this node lets the job use, before tfdist pinned this process to its share."""
-    mine = state()
-    if mine and mine.get("affinity_before"):
-        return set(mine["affinity_before"])
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def apply_early(route):
@@ -122,7 +52,7 @@ def apply_early(route):
         return state()
     if state():
         return state()
-    from tfdist import tuning
+    from tfdist.tuning import plan as tuning
 
     inherited = (_read_state() or {}).get("set", {})  # a parent tfdist process set these: ours to replace
     local_rank, local_size = local_layout()
@@ -167,13 +97,6 @@ def undo():
     return True
 
 
-def _read_state():
-    try:
-        return json.loads(os.environ[STATE_VARIABLE])
-    except (KeyError, ValueError):
-        return None
-
-
 def main(argv=None):
     """`python -m tfdist -- command ...`: apply this rank's settings, then exec the command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -190,7 +113,7 @@ def main(argv=None):
         argv[0] = sys.executable
     sys.stdout.flush()
     if launcher_rank() and quiet_ranks() and os.environ.get("TF_CPP_MIN_LOG_LEVEL"):
-        from tfdist import stderr_filter
+        from tfdist.launch import stderr_filter
 
         # The level (quiet_log_level's, or the user's) also for the start-up lines that escape it.
         stderr_filter.start(os.environ["TF_CPP_MIN_LOG_LEVEL"])

@@ -1,7 +1,7 @@
 """Per-rank CPU/GPU tuning: threads, core pinning, oneDNN/OpenMP and GPU settings, with reasons.
 
 ```python
-from tfdist import tuning
+from tfdist.tuning import plan as tuning
 topology = tuning.detect_topology(local_rank=0, local_size=2)
 plan = tuning.make_plan(topology)          # pure: same topology, same plan
 print(plan.summary())                      # one line: what was chosen and why
@@ -16,8 +16,8 @@ to it). oneDNN is switched on (`TF_ENABLE_ONEDNN_OPTS=1`; TensorFlow leaves it o
 without AVX-512 VNNI/BF16, where it is worth about 1.45x for ResNet50), and OpenMP builds
 (intel-tensorflow) get `OMP_NUM_THREADS`, `KMP_BLOCKTIME`, `KMP_AFFINITY`, `KMP_SETTINGS`. GPU: one
 GPU per local rank (`CUDA_VISIBLE_DEVICES`), memory growth on (`tfdist.gpu`). A `tfdist-tune`
-measurement cached for this machine (`tfdist.tuning_cache`) replaces these choices. Settings TensorFlow reads when it loads are
-applied before it loads by `tfdist.startup`; the summary reports what TensorFlow says is in
+measurement cached for this machine (`tfdist.tuning.cache`) replaces these choices. Settings TensorFlow reads when it loads are
+applied before it loads by `tfdist.tuning.startup`; the summary reports what TensorFlow says is in
 effect, never the plan alone. Horovod: CPU-only jobs get a 10 ms background cycle
 (`set_horovod_defaults`, before `hvd.init()`).
 """
@@ -140,10 +140,11 @@ def horovod_defaults(gpus, choice=None):
 
 def set_horovod_defaults(local_size=None):
     """Set `horovod_defaults` for this machine where the environment does not already say; returns them."""
-    from tfdist import startup, tuning_cache
+    from tfdist.tuning import environment
+    from tfdist.tuning import cache as tuning_cache
 
     chosen = {}
-    size = local_size or startup.local_layout()[1]
+    size = local_size or environment.local_layout()[1]
     for key, (value, reason) in horovod_defaults(_count_gpus(), tuning_cache.choice_for(size)).items():
         if key not in os.environ:
             os.environ[key] = value
@@ -192,13 +193,14 @@ _FIXED_AT_LOAD = ("TF_ENABLE_ONEDNN_OPTS", "OMP_NUM_THREADS", "KMP_AFFINITY", "K
 def plan_for_rank(local_rank, local_size, overrides=None, with_tf=True):
     """This rank's plan: its share of the node (unless the launcher bound it) and any cached choice.
 
-    One place for what `tfdist.startup` (before TensorFlow loads) and `HorovodStrategy` (after)
+    One place for what `tfdist.tuning.startup` (before TensorFlow loads) and `HorovodStrategy` (after)
     both decide; returns (plan, cached choice).
     """
-    from tfdist import startup, tuning_cache
+    from tfdist.tuning import environment
+    from tfdist.tuning import cache as tuning_cache
 
-    bound = startup.externally_bound()
-    topology = detect_topology(local_rank, 1 if bound else local_size, allowed=startup.node_cpus(),
+    bound = environment.externally_bound()
+    topology = detect_topology(local_rank, 1 if bound else local_size, allowed=environment.node_cpus(),
                                with_tf=with_tf)
     choice = tuning_cache.choice_for(local_size)
     plan = make_plan(topology, **{**choice.get("overrides", {}), **({"pin": False} if bound else {}),
@@ -210,7 +212,7 @@ def apply(plan):
     """Apply `plan` to this process; returns the list of settings that came too late.
 
     Environment variables are set where they differ; TensorFlow reads them when it loads, so
-    `tfdist.startup` applies them before that. Here, after the load, only pinning and the thread
+    `tfdist.tuning.startup` applies them before that. Here, after the load, only pinning and the thread
     pools (until the first op runs) can still change; what cannot is returned, not hidden.
     """
     import sys
@@ -291,19 +293,20 @@ LATE_FIX = ("import tfdist before tensorflow (first line of the script), or laun
 def tune_this_rank(options, horovod_defaults):
     """Detect this rank's share of the node, make and apply its plan (`announce` prints it).
 
-    The plan's settings that TensorFlow reads when it loads were applied then by `tfdist.startup`
+    The plan's settings that TensorFlow reads when it loads were applied then by `tfdist.tuning.startup`
     (if it ran). What did not take effect is kept in the plan's effect for `announce`.
     """
-    from tfdist import collectives, startup
+    from tfdist import collectives
+    from tfdist.tuning import environment
 
-    early = startup.state()
+    early = environment.state()
     plan, choice = plan_for_rank(collectives.local_rank(), collectives.local_size(),
                                  options if isinstance(options, dict) else {})
     reasons = list(plan.reasons)
     if choice:
         reasons.append(f"settings from {choice['source']}")
     reasons += [reason for _, reason in horovod_defaults.values()]
-    ours = startup.set_by_tfdist() | _SET_BY_APPLY
+    ours = environment.set_by_tfdist() | _SET_BY_APPLY
     # CUDA_VISIBLE_DEVICES is the list the rank's GPU is picked from, never a choice to keep.
     users = {k: os.environ[k] for k in plan.env if k in os.environ and k not in ours and k != gpu_lib.VISIBLE}
     if users:

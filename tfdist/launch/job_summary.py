@@ -3,7 +3,7 @@
 A failed job's output ends with the launcher's report, which names the first process to *exit*:
 often a survivor that the watchdog stopped (exit code 3), while the rank that raised or died is
 named further up. `tfdist-run` therefore stays the launcher's parent, copies its output through,
-keeps the last lines (`tfdist.launcher_output`) and, when the launcher exits non-zero, prints
+keeps the last lines (`tfdist.launch.launcher_output`) and, when the launcher exits non-zero, prints
 after everything else:
 
 ```
@@ -14,7 +14,7 @@ Where the cause comes from, first match wins:
 
 1. the watchdog's line (`tfdist watchdog: rank R (host H, pid P) died | failed: ... | stopped
    responding ...`), which every survivor prints: the rank that failed first, whichever exited
-   first (`tfdist.recovery.analyse`, which also adds the launcher's exit code or signal);
+   first (`tfdist.launch.recovery.analyse`, which also adds the launcher's exit code or signal);
 2. the launcher's report of the first process to exit (horovodrun's `Process name`/`Exit code`,
    mpirun's and srun's lines), unless that process is a survivor stopped with the watchdog's exit
    code, plus that rank's own last words (`[R]<stderr>:` lines: a traceback's last line, an
@@ -30,7 +30,8 @@ before they could write anything (killed, failed at import). No TensorFlow here.
 import re
 import sys
 
-from tfdist import launcher_output, recovery
+from tfdist.launch import launcher_output
+from tfdist.launch import recovery
 from tfdist.watchdog_support import LINE_CHARS, clip
 
 STOPPED_CODE = 3  # tfdist.watchdog.EXIT_CODE (not imported here: the watchdog loads TensorFlow)
@@ -42,7 +43,7 @@ _LAST_WORDS = (
     re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b(?::.*)?$"),  # a traceback's last line
     re.compile(r"^\S+: error: .+"),  # argparse: "train.py: error: ..."
     re.compile(r"can't open file .+"),  # python missing.py (on a host where the file is missing)
-    re.compile(r"^tfdist: rank \S+ \(host .+?\): cannot run .+"),  # tfdist.startup: no such program
+    re.compile(r"^tfdist: rank \S+ \(host .+?\): cannot run .+"),  # tfdist.tuning.startup: no such program
 )
 
 
