@@ -6,9 +6,7 @@ model.fit(ds, callbacks=[SkippedRecordsReport(plan.skipped)])
 ```
 """
 
-from tfdist.optimizers.accumulation import accumulate_gradients
 from tfdist.callbacks.checkpoint import CheckpointError, Checkpointer, latest_checkpoint
-from tfdist.optimizers.lars import LARC, LARS
 from tfdist.callbacks.lr_schedule import (
     LearningRateLogger,
     LearningRateWarmup,
@@ -24,18 +22,27 @@ from tfdist.callbacks.skipped_records import SkippedRecordsReport
 __all__ = [
     "CheckpointError",
     "Checkpointer",
-    "LARC",
-    "LARS",
     "LearningRateLogger",
     "LearningRateWarmup",
     "ProfileSteps",
     "SkippedRecordsReport",
     "StopOnNonFiniteLoss",
     "WarmupSchedule",
-    "accumulate_gradients",
     "latest_checkpoint",
     "polynomial_decay",
     "scale_learning_rate",
     "step_decay",
     "step_marker",
 ]
+
+# Optimizer wrappers lived here until 0.1; they are optimizers, not callbacks: `tfdist.optimizers`.
+_MOVED_TO_OPTIMIZERS = frozenset({"LARC", "LARS", "accumulate_gradients"})
+
+
+def __getattr__(name):
+    if name in _MOVED_TO_OPTIMIZERS:
+        from tfdist import _moved, optimizers
+
+        _moved.warn(f"tfdist.callbacks.{name}", f"tfdist.optimizers.{name}")
+        return getattr(optimizers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

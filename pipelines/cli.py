@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 
+from tfdist.units import MB
+
 
 class Progress:
     """One self-overwriting stderr line: records written, rate, and percent when the total is known."""
@@ -34,7 +36,7 @@ class Progress:
 def convert(args):
     from tfdist.pipelines import writer
 
-    kwargs = dict(shard_bytes=int(args.shard_mb * (1 << 20)), min_shards=args.min_shards, prefix=args.prefix)
+    kwargs = dict(shard_bytes=int(args.shard_mb * MB), min_shards=args.min_shards, prefix=args.prefix)
     if os.path.isdir(args.source):
         examples, class_names, total = writer.image_folder_examples(args.source)
         progress = Progress(total)
@@ -47,7 +49,7 @@ def convert(args):
     else:
         raise SystemExit(f"tfdist-data: {args.source} is neither an image folder nor an .npz file")
     progress(manifest.records, final=True)
-    size = sum(s.bytes for s in manifest.shards) / (1 << 20)
+    size = sum(s.bytes for s in manifest.shards) / MB
     print(f"wrote {manifest.records} records in {len(manifest.shards)} shards ({size:.1f} MB) to {manifest.directory}")
 
 

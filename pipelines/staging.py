@@ -30,6 +30,7 @@ import time
 
 from tfdist.errors import TfdistError
 from tfdist.pipelines import manifest as manifest_lib
+from tfdist.units import MB
 
 log = logging.getLogger("tfdist.pipelines")
 
@@ -107,7 +108,7 @@ def _stage(source, local_dir, verify, timeout):
             raise
     total = stats["copied"] + stats["reused"]
     if stats["copied"]:
-        mb, seconds = stats["bytes"] / 1e6, stats["seconds"]
+        mb, seconds = stats["bytes"] / MB, stats["seconds"]
         log.info(
             "staged %s into %s: copied %d of %d shards (%.3g MB in %.2f s, %.3g MB/s)",
             source, local_dir, stats["copied"], total, mb, seconds, mb / max(seconds, 1e-9),

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from tfdist import horovod_toolchain as toolchain
 from tfdist import install_horovod as ih
 
 MODULE = ROOT / "tfdist" / "install_horovod.py"
@@ -58,7 +59,7 @@ def test_cache_directories_are_bootstraps():
 
 
 def test_mpi_yes_without_mpicxx_names_the_fix():
-    with pytest.raises(ih.InstallError, match="--mpi yes: no `mpicxx`.*libopenmpi-dev.*--with-mpi"):
+    with pytest.raises(toolchain.InstallError, match="--mpi yes: no `mpicxx`.*libopenmpi-dev.*--with-mpi"):
         plan(mpi="yes")
 
 
@@ -74,7 +75,7 @@ def test_gpu_stack_builds_nccl_cached_apart():
     assert not cpu.nccl and "HOROVOD_GPU_OPERATIONS" not in cpu.build_env(1) and not cpu.wheel_dir.endswith("-nccl")
     off = plan(gpu_stack=True, gpu="no")
     assert not off.nccl and any("--gpu no" in note for note in off.notes)
-    with pytest.raises(ih.InstallError, match="--gpu yes: nvidia-nccl-cu12 is not installed.*and-cuda"):
+    with pytest.raises(toolchain.InstallError, match="--gpu yes: nvidia-nccl-cu12 is not installed.*and-cuda"):
         plan(gpu="yes")
 
 
@@ -88,26 +89,26 @@ def test_cuda_toolkit_is_assembled_from_the_wheels(tmp_path):
         (nccl / path).parent.mkdir(parents=True, exist_ok=True)
         (nccl / path).write_text(path)
     dest = tmp_path / "toolkit"
-    ih.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))
+    toolchain.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))
     assert (dest / "bin").is_dir() and not (dest / "bin").is_symlink()  # nvcc resolves bin/.. to dest
     assert (dest / "bin" / "nvcc").read_text() == "bin/nvcc" and (dest / "nvvm" / "bin" / "cicc").exists()
     assert (dest / "lib64" / "libcudart_static.a").exists() and os.readlink(dest / "lib64" / "libcudart.so") == "libcudart.so.13"
     assert (dest / "include" / "cuda_runtime.h").exists() and (dest / "nccl" / "include" / "nccl.h").exists()
     assert os.path.realpath(dest / "nccl" / "lib" / "libnccl.so") == str(nccl / "lib" / "libnccl.so.2")
-    ih.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))  # again: replaced, not nested
+    toolchain.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))  # again: replaced, not nested
     (nccl / "lib" / "libnccl.so.2").unlink()
-    with pytest.raises(ih.InstallError, match="libnccl.so.2 is missing"):
-        ih.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))
+    with pytest.raises(toolchain.InstallError, match="libnccl.so.2 is missing"):
+        toolchain.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))
 
 
 def test_gpu_sources_fix_as_gpu_stream_value(tmp_path):
     ops = tmp_path / "horovod" / "tensorflow" / "mpi_ops.cc"
     ops.parent.mkdir(parents=True)
-    ops.write_text("#if HAVE_GPU\n" + ih.AS_GPU_STREAM_DECLARATION + "#endif\n")
-    ih.patch_gpu_sources(str(tmp_path))
+    ops.write_text("#if HAVE_GPU\n" + toolchain.AS_GPU_STREAM_DECLARATION + "#endif\n")
+    toolchain.patch_gpu_sources(str(tmp_path))
     assert "platform_specific_handle().stream" in ops.read_text() and "GpuStreamHandle AsGpuStreamValue(Stream* stream);" not in ops.read_text()
-    with pytest.raises(ih.InstallError, match="does not declare AsGpuStreamValue"):
-        ih.patch_gpu_sources(str(tmp_path))
+    with pytest.raises(toolchain.InstallError, match="does not declare AsGpuStreamValue"):
+        toolchain.patch_gpu_sources(str(tmp_path))
 
 
 def test_bootstrap_chooses_the_stack():
@@ -120,8 +121,8 @@ def test_bootstrap_chooses_the_stack():
 
 
 def test_missing_tensorflow_names_the_extra(monkeypatch):
-    monkeypatch.setattr(ih, "installed_version", lambda name: None)
-    with pytest.raises(ih.InstallError, match=r"TensorFlow is not installed.*\[cpu\]"):
+    monkeypatch.setattr(toolchain, "installed_version", lambda name: None)
+    with pytest.raises(toolchain.InstallError, match=r"TensorFlow is not installed.*\[cpu\]"):
         ih.make_plan(cache_root="/c", mpicxx="")
 
 
@@ -129,10 +130,10 @@ def test_sdist_fix_drops_xla_mpi_ops(tmp_path):
     cmake = tmp_path / "horovod" / "tensorflow" / "CMakeLists.txt"
     cmake.parent.mkdir(parents=True)
     cmake.write_text("list(APPEND SOURCES\n    mpi_ops.cc\n    xla_mpi_ops.cc)\nadd_library(x)\n")
-    ih.patch_sdist(str(tmp_path))
+    toolchain.patch_sdist(str(tmp_path))
     assert cmake.read_text() == "list(APPEND SOURCES\n    mpi_ops.cc\nadd_library(x)\n"
-    with pytest.raises(ih.InstallError, match="does not list xla_mpi_ops.cc"):
-        ih.patch_sdist(str(tmp_path))
+    with pytest.raises(toolchain.InstallError, match="does not list xla_mpi_ops.cc"):
+        toolchain.patch_sdist(str(tmp_path))
 
 
 def run_module(args, hidden=("tensorflow", "keras", "horovod", "tfdist"), env=None):

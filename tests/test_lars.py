@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.callbacks import LARS
+from tfdist.optimizers import LARS
 from tfdist.callbacks._keras import keras_module
 
 keras = keras_module()
@@ -95,7 +95,7 @@ def larc_reference(w, grads, lr, mode, tc=0.02, wd=0.01, eps=1e-8, adapt=True):
 
 @pytest.mark.parametrize("mode", ["clip", "scale"])
 def test_larc_wraps_sgd_and_matches_reference(mode):
-    from tfdist.callbacks import LARC
+    from tfdist.optimizers import LARC
 
     rng = np.random.default_rng(4)
     values = {

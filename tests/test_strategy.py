@@ -10,7 +10,7 @@ import tensorflow as tf
 import tfdist
 from tfdist import collectives
 from tfdist.input_contract import check_global_batch, is_per_rank, is_sharded
-from tfdist.strategy import _describe_signature
+from tfdist.strategy_extended import _describe_signature
 
 
 @pytest.fixture(scope="module")

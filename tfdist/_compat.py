@@ -97,12 +97,6 @@ def onednn_enabled():
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
-def global_batch_size(extended):
-    """`StrategyExtended._global_batch_size`: whether batches handed to Keras are global (split
-    across replicas) rather than per replica; tf-keras' data adapter reads it too."""
-    return extended._global_batch_size
-
-
 def dataset_inputs(dataset):
     """The datasets `dataset` is built from (raises for dataset kinds without inputs)."""
     return dataset._inputs()

@@ -47,6 +47,16 @@ _hvd = None
 _XLA_MARKER = b"CallbackHVDAllreduceDone"
 
 
+def horovod_version():
+    """The installed Horovod's version from its package metadata (no import), or "none"."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("horovod")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
 def horovod():
     """Return the `horovod.tensorflow` module, raising a clear error when it is unusable."""
     global _hvd

@@ -62,7 +62,7 @@ def start_items(fingerprint=None):
         ("TensorFlow version", tf.__version__, tf.__version__),
         ("Keras version", f"{keras_name} {keras_module().__version__}",
          f"{keras_name} {keras_module().__version__}"),
-        ("Horovod version", _horovod_version(), _horovod_version()),
+        ("Horovod version", collectives.horovod_version(), collectives.horovod_version()),
         ("Python version", platform.python_version(), platform.python_version()),
     ]
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
@@ -144,15 +144,6 @@ def find_dataset_attribute(dataset, name, depth=0):
         if found is not None:
             return found
     return None
-
-
-def _horovod_version():
-    try:
-        import horovod
-
-        return horovod.__version__
-    except ImportError:
-        return "none"
 
 
 def _sha256_files(paths):

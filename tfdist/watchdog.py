@@ -46,7 +46,7 @@ import time
 
 from tfdist import collectives
 from tfdist.errors import WatchdogError
-from tfdist.watchdog_support import (advertised_host, clip, describe_exception,
+from tfdist.watchdog_support import (Peer, advertised_host, clip, describe_exception,
                                      host_name, listen, read_line)
 
 DEFAULT_TIMEOUT = 20.0  # below Gloo's own 30 s recv timeout, so the watchdog names the rank first
@@ -119,31 +119,12 @@ def start(timeout=None):
     return dog
 
 
-class _Peer:
-    def __init__(self, sock, rank, host, pid):
-        self.sock, self.rank, self.host, self.pid = sock, rank, host, pid
-        self.buffer = b""
-        self.last_heard = time.monotonic()
-        self.lock = threading.Lock()
-
-    def describe(self):
-        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
-
-    def send(self, message):
-        data = (json.dumps(message) + "\n").encode()
-        with self.lock:
-            try:
-                self.sock.sendall(data)
-            except OSError:
-                pass  # a dead peer's connection; its closing is reported by the reader
-
-
 class _Watchdog:
     def __init__(self, rank, size, timeout, hub):
         self.rank, self.size, self.timeout = rank, size, timeout
         self.hub = hub
         self.host = host_name()
-        self.peers = {}  # rank -> _Peer (rank 0: every other rank; others: rank 0 only)
+        self.peers = {}  # rank -> Peer (rank 0: every other rank; others: rank 0 only)
         self.failing = False  # this rank is exiting with its own error
         self.stopped = False  # this rank said goodbye
         self.printing = threading.Lock()  # held while this rank prints its own traceback
@@ -179,7 +160,7 @@ class _Watchdog:
             if hello.get("token") != token:
                 sock.close()  # not one of ours
                 continue
-            peer = _Peer(sock, hello["rank"], hello["host"], hello["pid"])
+            peer = Peer(sock, hello["rank"], hello["host"], hello["pid"])
             peer.buffer = rest
             self.peers[peer.rank] = peer
         listener.close()
@@ -201,7 +182,7 @@ class _Watchdog:
                     ) from None
                 time.sleep(0.2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hub = _Peer(sock, 0, self.hub["host"], self.hub["pid"])
+        hub = Peer(sock, 0, self.hub["host"], self.hub["pid"])
         hub.send({"token": self.hub["token"], "rank": self.rank, "host": self.host, "pid": os.getpid()})
         self.peers[0] = hub
 

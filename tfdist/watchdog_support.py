@@ -1,4 +1,4 @@
-"""Helpers of `tfdist.watchdog`: rank 0's address and its broadcast, and the one-line error text.
+"""Helpers of `tfdist.watchdog`: rank 0's address and its broadcast, the one-line error text, and a peer.
 
 Rank 0 binds one TCP port: `TFDIST_WATCHDOG_ADDR` (`host`, `host:port` or `:port`) or, by
 default, any free port on all interfaces. It then sends its address record (address, token, host,
@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import struct
+import threading
 import time
 
 from tfdist.errors import WatchdogError
@@ -139,3 +140,24 @@ def read_line(sock, deadline):
         data += chunk
     line, rest = data.split(b"\n", 1)
     return json.loads(line), rest
+
+
+class Peer:
+    """One connection between rank 0's watchdog and another rank's: who it is, and a locked send."""
+
+    def __init__(self, sock, rank, host, pid):
+        self.sock, self.rank, self.host, self.pid = sock, rank, host, pid
+        self.buffer = b""
+        self.last_heard = time.monotonic()
+        self.lock = threading.Lock()
+
+    def describe(self):
+        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+
+    def send(self, message):
+        data = (json.dumps(message) + "\n").encode()
+        with self.lock:
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                pass  # a dead peer's connection; its closing is reported by the reader

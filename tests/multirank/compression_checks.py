@@ -20,7 +20,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist.callbacks import Checkpointer, accumulate_gradients  # noqa: E402
+from tfdist.callbacks import Checkpointer  # noqa: E402
+from tfdist.optimizers import accumulate_gradients  # noqa: E402
 from tfdist.exchange.compression import PowerSGD, TopK  # noqa: E402
 
 keras = keras_module()

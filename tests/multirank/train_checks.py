@@ -21,7 +21,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist.callbacks import LARC, LARS, WarmupSchedule, accumulate_gradients  # noqa: E402
+from tfdist.callbacks import WarmupSchedule  # noqa: E402
+from tfdist.optimizers import LARC, LARS, accumulate_gradients  # noqa: E402
 
 keras = keras_module()
 

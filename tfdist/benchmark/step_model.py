@@ -43,6 +43,7 @@ import sys
 
 from tfdist import argtypes
 from tfdist.exchange import compression_plan
+from tfdist.units import MB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,7 @@ def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, 
         this, wire, extra = compressed(rank, shapes, compression, n, gflops)
         step, exposed, busy = step_time(this, link, n, min(ranks_per_node, n), bucket_bytes)
         rows.append({"ranks": n, "step_ms": step * 1e3, "exposed_ms": (step - rank.compute_s) * 1e3,
-                     "comm_ms": busy * 1e3, "efficiency": rank.compute_s / step, "wire_mb": wire / 1e6,
+                     "comm_ms": busy * 1e3, "efficiency": rank.compute_s / step, "wire_mb": wire / MB,
                      "compress_ms": extra * 1e3,
                      "images_per_sec": n * batch_per_rank / step if batch_per_rank else None})
     return rows
@@ -166,7 +167,7 @@ def main(argv=None):
     parser.add_argument("--compute_ms", type=argtypes.positive_float, required=True,
                         help="one rank's measured step (ms)")
     parser.add_argument("--gradient_mb", type=argtypes.positive_float, required=True,
-                        help="gradient bytes per step, in MB (10^6)")
+                        help="gradient bytes per step, in MB (2**20 bytes)")
     parser.add_argument("--backward_fraction", type=float, default=2 / 3)
     parser.add_argument("--bucket_mb", type=argtypes.nonnegative_float, default=25,
                         help="0: one collective after backprop")
@@ -191,7 +192,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0 < args.backward_fraction <= 1:
         parser.error(f"--backward_fraction {args.backward_fraction}: expected a fraction in (0, 1]")
-    rank = Rank(args.compute_ms / 1e3, args.gradient_mb * 1e6, args.backward_fraction)
+    rank = Rank(args.compute_ms / 1e3, args.gradient_mb * MB, args.backward_fraction)
     if args.calibrate_one_collective_ms:
         try:
             args.bandwidth_gbit = effective_bandwidth(
@@ -207,7 +208,7 @@ def main(argv=None):
     if any(compression_plan.parse(c)[0] == "powersgd" for c in args.compression) and not shapes:
         parser.error("--compression powersgd needs the gradient shapes: give --model or --shapes")
     link = Link(args.bandwidth_gbit, args.latency_us, args.intra_node_gbit)
-    modes = {"one collective": 0, f"buckets of {args.bucket_mb:g} MB": args.bucket_mb * 1e6} if args.bucket_mb else {
+    modes = {"one collective": 0, f"buckets of {args.bucket_mb:g} MB": args.bucket_mb * MB} if args.bucket_mb else {
         "one collective": 0}
     results = {}
     for method in args.compression:

@@ -24,13 +24,13 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 
 from tfdist import argtypes
 from tfdist.tuning import startup
 from tfdist.benchmark.models import MODELS, build_model, model_name
+from tfdist.benchmark.timing import StepTimer, accuracy_summary, report
 
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
 PARSER.add_argument("--model", default="resnet50", type=model_name,
@@ -71,7 +71,7 @@ PARSER.add_argument("--compression", default=None, help="tfdist: HorovodStrategy
 PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
                     help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
-                    "summarise with scripts/profile_summary.py. Those steps run slower: compare profiles, not speeds")
+                    "summarise with tfdist-profile. Those steps run slower: compare profiles, not speeds")
 PARSER.add_argument("--json", help="write the result (every step time) here (rank 0)")
 
 
@@ -87,34 +87,6 @@ def input_dataset(args, input_context=None, training=True):
     ds, plan = read_dataset(source, args.batch_size, input_context=input_context, training=training,
                             augment_fn=mapper)
     return ds, f"{source} ({plan.records} records/rank, mode={plan.mode})", plan
-
-
-class StepTimer:
-    """Wall time of every step, the step's loss fetched so the step has really finished."""
-
-    def __init__(self):
-        self.times, self._start = [], None
-
-    def begin(self):
-        self._start = time.perf_counter()
-
-    def end(self, loss):
-        float(loss)
-        self.times.append(time.perf_counter() - self._start)
-
-
-def report(args, timer, global_batch, rank):
-    timed = timer.times[args.num_warmup_batches:]
-    speeds = [global_batch / t for t in timed]
-    if rank == 0:
-        for start in range(0, len(speeds), args.display_every):
-            chunk = speeds[start : start + args.display_every]
-            mean = statistics.mean(chunk)
-            std = statistics.pstdev(chunk) if len(chunk) > 1 else 0.0
-            mad = statistics.median([abs(s - statistics.median(chunk)) for s in chunk])
-            print(f"{start + len(chunk)}\timages/sec: {mean:.2f} +/- {std:.2f} (jitter = {mad:.2f})")
-        print(f"total images/sec: {len(timed) * global_batch / sum(timed):.2f}")
-    return len(timed) * global_batch / sum(timed)
 
 
 def run_keras_fit(args, keras, strategy, rank):
@@ -134,7 +106,7 @@ def run_keras_fit(args, keras, strategy, rank):
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build_model(keras, args.model, args.image_size, args.num_classes)
         optimizer = keras.optimizers.SGD(args.learning_rate * replicas, momentum=0.9)
-        if getattr(args, "loss_scale", False):  # scripts/multihost: loss scaling without a float16 policy
+        if getattr(args, "loss_scale", False):  # scripts/benchmarks/multihost: loss scaling without a float16 policy
             optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
         model.compile(optimizer=optimizer,
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla,
@@ -252,8 +224,8 @@ def start(args):
     """Create the strategy of --variable_update; returns (keras, strategy, tuning text, size, rank)."""
     import tensorflow as tf
 
-    import tfdist
     from tfdist.keras_flavour import keras_module
+    from tfdist.strategy import HorovodStrategy
 
     keras = keras_module()
     if args.variable_update == "tfdist":
@@ -263,9 +235,9 @@ def start(args):
             overrides["onednn"] = args.onednn == "on"
         knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
         device = {"auto": None, "cpu": "/cpu:0", "gpu": "gpu"}[args.device]
-        strategy = tfdist.HorovodStrategy(device, precision=args.precision, horovod=knobs, compression=args.compression,
-                                          fused_batchnorm=args.fused_batchnorm == "on",
-                                          tuning=False if args.no_tuning else (overrides or True))
+        strategy = HorovodStrategy(device, precision=args.precision, horovod=knobs, compression=args.compression,
+                                   fused_batchnorm=args.fused_batchnorm == "on",
+                                   tuning=False if args.no_tuning else (overrides or True))
         tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
         from tfdist.keras import fused_batchnorm as keras_fused_batchnorm
 
@@ -336,6 +308,7 @@ def main():
 
     import tensorflow as tf
 
+    from tfdist import collectives
     from tfdist.tuning import plan as tuning_lib
     from tfdist.tuning.cache import cpu_model
 
@@ -347,11 +320,10 @@ def main():
         sys.exit(f"tfdist-benchmark --device gpu: {e}")
     global_batch = args.batch_size * size
     effect = tuning_lib.in_effect()
-    import horovod
 
     header = [
         f"Model: {args.model}  Keras: {keras.__name__} {keras.__version__}  TF: {tf.__version__}  "
-        f"Horovod: {horovod.__version__}",
+        f"Horovod: {collectives.horovod_version()}",
         f"Hardware: {os.cpu_count()} CPUs ({cpu_model()}), GPUs: {len(tf.config.list_physical_devices('GPU'))}"
         + (f", oneDNN limited to ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}" if os.environ.get("ONEDNN_MAX_CPU_ISA") else ""),
         f"Mode: {args.variable_update}  ranks: {size}  batch/replica: {args.batch_size}  "
@@ -416,13 +388,6 @@ def _exit_now(code):
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
-
-
-def accuracy_summary(args, history):
-    reached = [h for h in history if args.target_accuracy and (h["test_accuracy"] or 0) >= args.target_accuracy]
-    return {"epochs": history, "final_test_accuracy": history[-1]["test_accuracy"],
-            "target_accuracy": args.target_accuracy,
-            "seconds_to_target": round(reached[0]["seconds"], 1) if reached else None}
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def _gathers(model):
     from tfdist.keras.recognise import multi_rank_strategy_of
 
     strategy = multi_rank_strategy_of(model)
-    return strategy is not None and _compat.global_batch_size(strategy.extended)
+    return strategy is not None and strategy.extended.batch_convention == "global"
 
 
 def _gather_rows(value):

@@ -207,9 +207,9 @@ def srun_hostfile_lines(hosts, np=None):
 
 def horovod_has_mpi():
     """Whether this Horovod was built with MPI (imports horovod.tensorflow, hence TensorFlow)."""
-    import horovod.tensorflow as hvd
+    from tfdist import collectives
 
-    return bool(hvd.mpi_built())
+    return bool(collectives.horovod().mpi_built())
 
 
 NO_MPI = ("this Horovod was built without MPI (`horovodrun -cb` lists no MPI), so mpirun would start "

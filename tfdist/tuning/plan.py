@@ -28,6 +28,7 @@ import logging
 import os
 
 from tfdist import _compat, gpu as gpu_lib
+from tfdist.units import MB
 
 log = logging.getLogger("tfdist")
 
@@ -344,7 +345,7 @@ def onednn_active():
 
 
 _HOROVOD_KNOBS = {
-    "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda mb: str(int(mb * (1 << 20)))),
+    "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda mb: str(int(mb * MB))),
     "cycle_time_ms": ("HOROVOD_CYCLE_TIME", str),
     "timeline": ("HOROVOD_TIMELINE", str),
     "autotune": ("HOROVOD_AUTOTUNE", lambda on: "1" if on else "0"),
