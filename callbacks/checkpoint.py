@@ -34,6 +34,8 @@ system) and all ranks end up bit-identical to the file. A restarted job needs ra
 that can read the directory.
 """
 
+from __future__ import annotations
+
 import datetime
 import hashlib
 import json
@@ -42,6 +44,7 @@ import os
 import re
 import shutil
 import tempfile
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
@@ -50,6 +53,11 @@ from tfdist.callbacks._keras import Callback
 from tfdist import _compat, collectives, durable, rank_variables
 from tfdist.launch import recovery
 from tfdist.errors import TfdistError
+
+if TYPE_CHECKING:
+    import keras
+
+    from tfdist.strategy import HorovodStrategy
 
 log = logging.getLogger("tfdist")
 
@@ -65,8 +73,16 @@ class CheckpointError(TfdistError):
 
 # --- the directory: atomic writes, validation, pruning ----------------------------------------
 
-def checkpoint_problem(path, verify_data=True):
-    """Why checkpoint directory `path` is unusable (a sentence), or None when it is good."""
+def checkpoint_problem(path: str, verify_data: bool = True) -> str | None:
+    """Why checkpoint directory `path` is unusable (a sentence), or None when it is good.
+
+    Args:
+        path: a `ckpt-<epoch>` directory.
+        verify_data: also compare the files' SHA-256 with the marker (else sizes only).
+
+    Returns:
+        The problem, or None.
+    """
     marker_path = os.path.join(path, MARKER_FILE)
     try:
         with open(marker_path) as f:
@@ -91,10 +107,26 @@ def checkpoint_problem(path, verify_data=True):
     return None
 
 
-def latest_checkpoint(directory):
+def latest_checkpoint(directory: str | os.PathLike[str]) -> tuple[str, dict[str, Any]] | None:
     """The newest good checkpoint in `directory` as (path, marker dict), or None.
 
     Newer directories that are unfinished or damaged are skipped with a warning naming them.
+
+    Args:
+        directory: a `Checkpointer`'s directory.
+
+    Returns:
+        The checkpoint's path and its `complete.json` (epoch, optimizer step, ranks, time,
+            files), or None when there is no good checkpoint (or no directory).
+
+    Example:
+        ```python
+        from tfdist.callbacks import latest_checkpoint
+        found = latest_checkpoint("/scratch/run1/checkpoints")
+        if found:
+            path, marker = found
+            print(path, marker["epoch"], marker["step"])
+        ```
     """
     if not os.path.isdir(directory):
         return None
@@ -110,10 +142,17 @@ def latest_checkpoint(directory):
     return None
 
 
-def write_checkpoint(directory, epoch, arrays, info):
+def write_checkpoint(directory: str, epoch: int, arrays: dict[str, np.ndarray], info: dict[str, Any]) -> str:
     """Write `arrays` (name -> numpy array) as checkpoint `ckpt-<epoch>`, atomically; its path.
 
-    `info` (JSON-able) goes into the marker beside `epoch` and the state file's checksum.
+    Args:
+        directory: the checkpoint directory (created if missing).
+        epoch: the number of finished epochs; names the checkpoint.
+        arrays: name -> value, saved in `state.npz`.
+        info: JSON-able entries for the marker, beside `epoch` and the state file's checksum.
+
+    Returns:
+        The checkpoint's path.
     """
     os.makedirs(directory, exist_ok=True)
     name = f"ckpt-{epoch:06d}"
@@ -142,8 +181,13 @@ def write_checkpoint(directory, epoch, arrays, info):
     return final
 
 
-def prune_checkpoints(directory, keep):
-    """Delete all but the newest `keep` finished checkpoints, and unfinished `.tmp-*` saves."""
+def prune_checkpoints(directory: str, keep: int) -> None:
+    """Delete all but the newest `keep` finished checkpoints, and unfinished `.tmp-*` saves.
+
+    Args:
+        directory: the checkpoint directory.
+        keep: finished checkpoints to keep (0: all).
+    """
     finished = [p for p in _checkpoint_dirs(directory) if checkpoint_problem(p, verify_data=False) is None]
     for path in finished[:-keep] if keep else []:
         shutil.rmtree(path, ignore_errors=True)
@@ -167,11 +211,17 @@ def _sha256(path):
 
 # --- the model's state ------------------------------------------------------------------------
 
-def training_variables(model):
+def training_variables(model: keras.Model) -> list[Any]:
     """Every variable a checkpoint holds, in a fixed order: the model's, then the optimizer's.
 
     The optimizer's include its step counter and slots (momentum, ...); tf-keras keeps a float
     learning rate outside `variables()`, so it is added (LearningRateWarmup changes it).
+
+    Args:
+        model: the model (compiled, for its optimizer).
+
+    Returns:
+        The model's and optimizer's variables (Keras or `tf.Variable`s).
     """
     variables = list(model.weights)
     optimizer = getattr(model, "optimizer", None)
@@ -224,6 +274,10 @@ def _topology(strategy):
 class Checkpointer(Callback):
     """Save on the chief every `save_every_epochs` epochs (and after the last); resume on every rank.
 
+    Every rank must call `initial_epoch()` (if at all) and `fit` together: restoring is a
+    collective. Put `LearningRateWarmup` before this callback in the list, so it reads its
+    target rate before the checkpoint's (mid-warmup) rate is restored.
+
     Args:
         directory: where checkpoints go (`ckpt-<epoch>` directories); the chief creates it.
         strategy: a `tfdist.HorovodStrategy` for the rank and size; default: Horovod's own
@@ -231,12 +285,19 @@ class Checkpointer(Callback):
         save_every_epochs: save after every N-th epoch (and after the last epoch of `fit`).
         keep: how many finished checkpoints to keep (older ones are deleted after a save).
 
-    Every rank must call `initial_epoch()` (if at all) and `fit` together: restoring is a
-    collective. Put `LearningRateWarmup` before this callback in the list, so it reads its
-    target rate before the checkpoint's (mid-warmup) rate is restored.
+    Raises:
+        ValueError: `save_every_epochs` or `keep` is below 1.
+
+    Example:
+        ```python
+        from tfdist.callbacks import Checkpointer
+        checkpointer = Checkpointer("/scratch/run1/checkpoints", save_every_epochs=1, keep=2)
+        model.fit(ds, epochs=90, callbacks=[checkpointer])   # run again after a crash: it resumes
+        ```
     """
 
-    def __init__(self, directory, strategy=None, save_every_epochs=1, keep=2):
+    def __init__(self, directory: str | os.PathLike[str], strategy: HorovodStrategy | None = None,
+                 save_every_epochs: int = 1, keep: int = 2):
         super().__init__()
         if save_every_epochs < 1 or keep < 1:
             raise ValueError(f"save_every_epochs={save_every_epochs}, keep={keep}: both must be >= 1")
@@ -253,12 +314,18 @@ class Checkpointer(Callback):
     def _rank_size(self):
         return _topology(self.strategy)
 
-    def initial_epoch(self):
+    def initial_epoch(self) -> int:
         """The epoch `fit` will start at: 0, or the one after the latest good checkpoint.
 
         The chief decides and tells the other ranks, so all agree. Pass it to the input
         pipeline (`read_dataset(..., initial_epoch=...)`) so the resumed epochs read what they
         would have read without the interruption.
+
+        Returns:
+            The number of epochs the latest good checkpoint finished (0 without one).
+
+        Raises:
+            CheckpointError: the chief could not read the checkpoints (on every rank).
         """
         return self._choose()["epoch"]
 
@@ -322,10 +389,15 @@ class Checkpointer(Callback):
         if self._rank_size[0] == 0:
             self.save(done, rank_state)
 
-    def save(self, epoch, rank_state=None):
+    def save(self, epoch: int, rank_state: dict[str, np.ndarray] | None = None) -> str:
         """Write checkpoint `ckpt-<epoch>` (`epoch` epochs finished) now, then prune; chief only.
 
-        `rank_state`: every rank's gradient-compression state, as `on_epoch_end` gathers it.
+        Args:
+            epoch: the number of finished epochs.
+            rank_state: every rank's gradient-compression state, as `on_epoch_end` gathers it.
+
+        Returns:
+            The checkpoint's path.
         """
         variables = training_variables(self.model)
         with rank_variables.local_reads():  # chief only: no collective (on-read state: its own value)

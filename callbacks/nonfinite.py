@@ -9,6 +9,8 @@ if stop.report:                                    # {"epoch", "batch", "step", 
 ```
 """
 
+from __future__ import annotations
+
 import logging
 import math
 
@@ -35,16 +37,30 @@ class StopOnNonFiniteLoss(Callback):
     every rank joins one small allgather of "was my own running loss non-finite", and the report
     names the ranks. Training steps are not slowed: nothing extra runs while the loss is finite.
 
+    The step is counted from the start of this `fit()` call (0-based); `batch` is Keras' index
+    within the epoch. It works on one process too (the rank is then 0).
+
     Args:
         action: "stop" ends `fit()` normally after the step (`model.stop_training`), with the
             report in `self.report` / `self.message` and logged as a warning on the chief;
             "raise" raises `tfdist.NonFiniteLossError` with the message on every rank.
 
-    The step is counted from the start of this `fit()` call (0-based); `batch` is Keras' index
-    within the epoch. It works on one process too (the rank is then 0).
+    Raises:
+        ValueError: `action` is neither (on construction); on several ranks, the model was not
+            built under `tfdist.HorovodStrategy` (when training begins).
+        NonFiniteLossError: with `action="raise"`, from `fit` at the first non-finite loss.
+
+    Example:
+        ```python
+        from tfdist.callbacks import StopOnNonFiniteLoss
+        stop = StopOnNonFiniteLoss(action="stop")
+        model.fit(ds, epochs=3, callbacks=[stop])
+        if stop.report:                # {"epoch", "batch", "step", "loss", "ranks", "local_losses"}
+            print(stop.message)
+        ```
     """
 
-    def __init__(self, action="stop"):
+    def __init__(self, action: str = "stop"):
         super().__init__()
         if action not in ACTIONS:
             raise ValueError(f"action={action!r}: expected one of {ACTIONS}")

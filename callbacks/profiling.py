@@ -24,9 +24,12 @@ When the job runs with `HOROVOD_TIMELINE=DYNAMIC` (or `HorovodStrategy(horovod={
 `<log_dir>/horovod_timeline.json` (by rank 0, Horovod's coordinator; open it in ui.perfetto.dev).
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import tensorflow as tf
@@ -40,22 +43,30 @@ log = logging.getLogger("tfdist")
 TIMELINE_FILE = "horovod_timeline.json"
 
 
-def step_marker(step, name="train"):
+def step_marker(step: int, name: str = "train") -> tf.profiler.experimental.Trace:
     """A step marker for the TensorFlow profiler around one training step of a custom loop.
-
-    ```python
-    from tfdist.callbacks.profiling import step_marker
-    iterator = iter(strategy.experimental_distribute_dataset(ds))
-    tf.profiler.experimental.start(f"runs/loop/rank{strategy.rank}")
-    for step in range(10):
-        with step_marker(step):                       # take the batch inside: input time is part of the step
-            strategy.run(train_step, args=(next(iterator),))
-    tf.profiler.experimental.stop()
-    ```
 
     The profiler groups the trace into steps by these markers (a `tf.profiler.experimental.Trace`
     with `step_num` and `_r=1`); without them its Overview page reports "No step marker observed"
     and its step-time breakdown and input-pipeline analysis stay empty. Free when not profiling.
+
+    Args:
+        step: the step's number.
+        name: the marker's name in the trace.
+
+    Returns:
+        A context manager: the step is what runs inside it.
+
+    Example:
+        ```python
+        from tfdist.callbacks import step_marker
+        iterator = iter(strategy.experimental_distribute_dataset(ds))
+        tf.profiler.experimental.start(f"runs/loop/rank{strategy.rank}")
+        for step in range(10):
+            with step_marker(step):                   # take the batch inside: input time is part of the step
+                strategy.run(train_step, args=(next(iterator),))
+        tf.profiler.experimental.stop()
+        ```
     """
     return tf.profiler.experimental.Trace(name, step_num=int(step), _r=1)
 
@@ -70,9 +81,20 @@ class ProfileSteps(Callback):
         batch_size: per-rank batch, for the images/s scalar (global: x num_replicas_in_sync).
         horovod_timeline: also record Horovod's timeline of these steps into
             `<log_dir>/horovod_timeline.json` when the job allows it (`HOROVOD_TIMELINE=DYNAMIC`).
+
+    Raises:
+        ValueError: `steps` is not 0 <= start < stop.
+
+    Example:
+        ```python
+        from tfdist.callbacks import ProfileSteps
+        profile = ProfileSteps("runs/resnet50", steps=(20, 25), ranks=(0, 1), batch_size=64)
+        model.fit(ds, epochs=3, callbacks=[profile])   # then: tfdist-profile runs/resnet50
+        ```
     """
 
-    def __init__(self, log_dir, steps=(10, 15), ranks=(0,), batch_size=None, horovod_timeline=True):
+    def __init__(self, log_dir: str, steps: tuple[int, int] = (10, 15), ranks: Iterable[int] = (0,),
+                 batch_size: int | None = None, horovod_timeline: bool = True):
         super().__init__()
         self.start, self.stop = steps
         if not 0 <= self.start < self.stop:
@@ -91,15 +113,18 @@ class ProfileSteps(Callback):
         self._keras_marks_steps = legacy_requested()
 
     @property
-    def active(self):
+    def active(self) -> bool:
+        """Whether this rank profiles and writes scalars."""
         return collectives.process_rank() in self.ranks
 
     @property
-    def rank_dir(self):
+    def rank_dir(self) -> str:
+        """This rank's TensorBoard directory, `<log_dir>/rank<R>`."""
         return f"{self.log_dir}/rank{collectives.process_rank()}"
 
     @property
-    def timeline_path(self):
+    def timeline_path(self) -> str:
+        """Where Horovod's timeline goes: `<log_dir>/horovod_timeline.json`."""
         return f"{self.log_dir}/{TIMELINE_FILE}"
 
     def on_train_begin(self, logs=None):

@@ -11,9 +11,15 @@ They cover this rank's part of the data (its `plan.skipped`): with one pipeline 
 ranks' counts add up to the job's.
 """
 
+from __future__ import annotations
+
 import logging
+from typing import TYPE_CHECKING
 
 from tfdist.callbacks._keras import Callback
+
+if TYPE_CHECKING:
+    from tfdist.pipelines.records import SkippedRecords
 
 log = logging.getLogger("tfdist.pipelines")
 
@@ -22,10 +28,22 @@ class SkippedRecordsReport(Callback):
     """Logs the per-shard skip counts at each epoch end, adds `skipped_records` to the logs, resets.
 
     `skipped_records` is this rank's count for the epoch (no collective: it may run on some
-    ranks only); `rank` only labels the log lines.
+    ranks only).
+
+    Args:
+        skipped: the plan's counts: `read_dataset(..., skip_corrupt=True)`'s `plan.skipped`.
+        rank: labels the log lines ("rank R: ..."); None: no label.
+
+    Example:
+        ```python
+        from tfdist.callbacks import SkippedRecordsReport
+        from tfdist.pipelines import read_dataset
+        ds, plan = read_dataset("/scratch/ds", 32, training=True, skip_corrupt=True)
+        model.fit(ds, steps_per_epoch=plan.steps_per_epoch, callbacks=[SkippedRecordsReport(plan.skipped)])
+        ```
     """
 
-    def __init__(self, skipped, rank=None):
+    def __init__(self, skipped: SkippedRecords, rank: int | None = None):
         super().__init__()
         self.skipped = skipped
         self.rank = rank

@@ -6,10 +6,13 @@
     tfdist-data validate '/scratch/other/*.tfrecord'      # TFRecord files without a manifest
 """
 
+from __future__ import annotations
+
 import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,12 +20,18 @@ from tfdist.units import MB
 
 
 class Progress:
-    """One self-overwriting stderr line: records written, rate, and percent when the total is known."""
+    """One self-overwriting stderr line: records written, rate, and percent when the total is known.
 
-    def __init__(self, total=None, every=0.5):
+    Args:
+        total: the records to write, if known.
+        every: the least seconds between updates of the line.
+    """
+
+    def __init__(self, total: int | None = None, every: float = 0.5):
         self.total, self.every, self.start, self.last = total, every, time.monotonic(), 0.0
 
-    def __call__(self, count, final=False):
+    def __call__(self, count: int, final: bool = False) -> None:
+        """Show `count` records written (at most every `every` seconds, unless `final`: then end the line)."""
         now = time.monotonic()
         if not final and now - self.last < self.every:
             return
@@ -33,7 +42,15 @@ class Progress:
         sys.stderr.flush()
 
 
-def convert(args):
+def convert(args: argparse.Namespace) -> None:
+    """`tfdist-data convert`: write an image folder or .npz file as TFRecord shards and a manifest.
+
+    Args:
+        args: the parsed command line (`source`, `out`, `shard_mb`, `min_shards`, `prefix`).
+
+    Raises:
+        SystemExit: `source` is neither an image folder nor an .npz file.
+    """
     from tfdist.pipelines import writer
 
     kwargs = dict(shard_bytes=int(args.shard_mb * MB), min_shards=args.min_shards, prefix=args.prefix)
@@ -53,7 +70,15 @@ def convert(args):
     print(f"wrote {manifest.records} records in {len(manifest.shards)} shards ({size:.1f} MB) to {manifest.directory}")
 
 
-def validate(args):
+def validate(args: argparse.Namespace) -> int:
+    """`tfdist-data validate`: read every record of a dataset, print each shard's state.
+
+    Args:
+        args: the parsed command line (`source`, `checksum`).
+
+    Returns:
+        The exit status: 0 all shards good, 1 some bad, 2 no usable manifest.
+    """
     import tensorflow as tf
 
     from tfdist.pipelines import manifest as manifest_lib
@@ -138,7 +163,15 @@ def _glob_manifest(manifest_lib, pattern):
     return manifest_lib.Manifest(directory, first.features, tuple(shards)), unreadable
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `tfdist-data` command.
+
+    Args:
+        argv: the arguments; default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status.
+    """
     parser = argparse.ArgumentParser(prog="tfdist-data", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("convert", allow_abbrev=False, help="image folder (class sub-folders) or .npz -> TFRecord shards + manifest")

@@ -7,10 +7,13 @@ m.records, [s.file for s in m.shards], m.features["label"].dtype
 ```
 """
 
+from __future__ import annotations
+
 import dataclasses
 import hashlib
 import json
 import os
+from typing import Any
 
 from tfdist.errors import TfdistError
 
@@ -24,19 +27,36 @@ class ManifestError(TfdistError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class FeatureSpec:
-    """How one feature is stored: `raw` arrays (bytes + dtype + shape), `int64`/`float` scalars,
-    or `bytes` kept as they are (e.g. encoded JPEG)."""
+    """How one feature is stored.
+
+    Args:
+        dtype: the numpy dtype name of its values ("uint8", "int64", "float32", ...), or
+            "string" for bytes.
+        shape: the shape of one record's value (`()` for scalars and bytes).
+        encoding: "raw" (array bytes of `dtype` and `shape`), "int64" or "float" (a scalar),
+            or "bytes" (kept as they are, e.g. encoded JPEG).
+    """
 
     dtype: str
-    shape: tuple
+    shape: tuple[int, ...]
     encoding: str
 
-    def to_json(self):
+    def to_json(self) -> dict[str, Any]:
+        """The spec as manifest.json holds it."""
         return {"dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding}
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
+    """One TFRecord file of a dataset, as its manifest lists it.
+
+    Args:
+        file: the file name, relative to the manifest's directory.
+        records: how many records it holds.
+        bytes: its size in bytes.
+        sha256: the SHA-256 of its contents (hex; "" when unknown: files without a manifest).
+    """
+
     file: str  # relative to the manifest's directory
     records: int
     bytes: int
@@ -45,19 +65,40 @@ class Shard:
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
+    """What a dataset directory holds: its shard files and the features of every record.
+
+    `load` reads one; the `pipelines.write_*` functions return (and save) one.
+
+    Args:
+        directory: the directory holding the shards and manifest.json.
+        features: feature name -> how it is stored, in record order.
+        shards: the shard files, in reading order.
+        class_names: label -> class name (image folders: the sorted sub-folder names), or empty.
+
+    Example:
+        ```python
+        from tfdist.pipelines import load_manifest
+        m = load_manifest("/scratch/digits")
+        print(m.records, [s.file for s in m.shards], m.features["label"].dtype)
+        ```
+    """
+
     directory: str
-    features: dict
-    shards: tuple
-    class_names: tuple = ()
+    features: dict[str, FeatureSpec]
+    shards: tuple[Shard, ...]
+    class_names: tuple[str, ...] = ()
 
     @property
-    def records(self):
+    def records(self) -> int:
+        """The number of records in all shards."""
         return sum(s.records for s in self.shards)
 
-    def path(self, shard):
+    def path(self, shard: Shard) -> str:
+        """The path of `shard`'s file."""
         return os.path.join(self.directory, shard.file)
 
-    def to_json(self):
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as manifest.json holds it."""
         return {
             "format": FORMAT,
             "records": self.records,
@@ -66,14 +107,26 @@ class Manifest:
             "shards": [dataclasses.asdict(s) for s in self.shards],
         }
 
-    def save(self):
+    def save(self) -> str:
+        """Write manifest.json into `directory`, atomically; returns its path."""
         path = os.path.join(self.directory, FILENAME)
         atomic_write_text(path, json.dumps(self.to_json(), indent=1))
         return path
 
 
-def load(source):
-    """Read a manifest from its file or its directory; raise `ManifestError` naming the file."""
+def load(source: str | os.PathLike[str]) -> Manifest:
+    """Read a manifest from its file or its directory.
+
+    Args:
+        source: a dataset directory holding manifest.json, or the manifest file itself.
+
+    Returns:
+        The manifest; its `directory` is the manifest file's directory, made absolute.
+
+    Raises:
+        ManifestError: the manifest is missing, not JSON, of another format, or malformed
+            (the message names the file).
+    """
     path = os.path.join(source, FILENAME) if os.path.isdir(source) else source
     try:
         with open(path) as f:
@@ -95,12 +148,23 @@ def load(source):
     return Manifest(os.path.dirname(os.path.abspath(path)), features, shards, tuple(data.get("class_names", ())))
 
 
-def from_files(pattern):
+def from_files(pattern: str | os.PathLike[str]) -> Manifest:
     """A manifest for TFRecord files written elsewhere (no manifest.json): counts every record.
 
     Features are inferred from the first record: int64 and float lists become scalars, byte
     lists stay bytes (e.g. encoded images). Reading every file once makes this slower than
-    a written manifest; write one with `pipelines.write_*` for large datasets.
+    a written manifest; write one with `pipelines.write_*` for large datasets. Imports TensorFlow.
+
+    Args:
+        pattern: a glob pattern of TFRecord files, all in one directory.
+
+    Returns:
+        A manifest of the matching files (sorted by name), without checksums.
+
+    Raises:
+        FileNotFoundError: no file matches `pattern`.
+        ManifestError: a file is not a readable TFRecord file, the files are in several
+            directories, or the first file holds no record.
     """
     import glob
 
@@ -132,7 +196,16 @@ def from_files(pattern):
     return Manifest(os.path.dirname(os.path.abspath(files[0])), features, tuple(shards))
 
 
-def sha256_of(path, chunk=1 << 20):
+def sha256_of(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """The SHA-256 (hex) of a file's contents, read `chunk` bytes at a time.
+
+    Args:
+        path: the file.
+        chunk: bytes read at a time.
+
+    Returns:
+        The hex digest.
+    """
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -140,7 +213,13 @@ def sha256_of(path, chunk=1 << 20):
     return digest.hexdigest()
 
 
-def atomic_write_text(path, text):
+def atomic_write_text(path: str, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or all of the new one, never part.
+
+    Args:
+        path: the file to (re)place.
+        text: its new contents.
+    """
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)

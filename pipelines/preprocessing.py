@@ -23,6 +23,10 @@ truncated after the crop's last row yields that crop (its true pixels) without a
 decodes whole images and always raises.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
 import tensorflow as tf
 
 IMAGENET_MEAN_RGB = (123.68, 116.78, 103.94)
@@ -43,8 +47,19 @@ def _output_dtype(dtype):
     return dtype
 
 
-def normalize(image, dtype=tf.float32):
-    """`(image - mean) / std` per RGB channel for an image with values 0-255, cast to `dtype`."""
+def normalize(image: tf.Tensor, dtype: tf.dtypes.DType | str = tf.float32) -> tf.Tensor:
+    """`(image - mean) / std` per RGB channel for an image with values 0-255, cast to `dtype`.
+
+    Args:
+        image: RGB pixels 0-255, channels last (any numeric dtype).
+        dtype: the result's dtype: float32, bfloat16 or float16.
+
+    Returns:
+        The normalised image, in `dtype`.
+
+    Raises:
+        ValueError: `dtype` is not one of those three.
+    """
     dtype = _output_dtype(dtype)
     image = tf.cast(image, tf.float32)
     image = (image - tf.constant(IMAGENET_MEAN_RGB)) / tf.constant(IMAGENET_STD_RGB)
@@ -94,11 +109,24 @@ def _decode_random_crop(image_bytes, seed):
     return tf.cond(tf.io.is_jpeg(image_bytes), jpeg, other)
 
 
-def train_preprocess(image_bytes, label, *, image_size=224, dtype=tf.float32):
+def train_preprocess(image_bytes: tf.Tensor, label: tf.Tensor, *, image_size: int = 224,
+                     dtype: tf.dtypes.DType | str = tf.float32) -> tuple[tf.Tensor, tf.Tensor]:
     """Random crop, random horizontal flip, bilinear resize, normalise: ((H, W, 3) image, label).
 
-    `image_bytes` is one encoded JPEG or PNG (scalar string tensor). Randomness follows TF's
-    global and op seeds (`tf.random.set_seed`). See the module docstring for the normalisation.
+    Randomness follows TF's global and op seeds (`tf.random.set_seed`). See the module docstring
+    for the normalisation.
+
+    Args:
+        image_bytes: one encoded JPEG or PNG (scalar string tensor).
+        label: returned unchanged.
+        image_size: the output's height and width.
+        dtype: the image's dtype: float32, bfloat16 or float16.
+
+    Returns:
+        `(image, label)`: the image `[image_size, image_size, 3]` in `dtype`.
+
+    Raises:
+        ValueError: `dtype` is not one of those three.
     """
     dtype = _output_dtype(dtype)
     # The stateful sampling op ignores tf.random.set_seed in eager mode once its kernel exists;
@@ -111,11 +139,25 @@ def train_preprocess(image_bytes, label, *, image_size=224, dtype=tf.float32):
     return normalize(image, dtype), label
 
 
-def eval_preprocess(image_bytes, label, *, image_size=224, dtype=tf.float32,
-                    crop_fraction=EVAL_CROP_FRACTION):
+def eval_preprocess(image_bytes: tf.Tensor, label: tf.Tensor, *, image_size: int = 224,
+                    dtype: tf.dtypes.DType | str = tf.float32,
+                    crop_fraction: float = EVAL_CROP_FRACTION) -> tuple[tf.Tensor, tf.Tensor]:
     """Resize the shorter side to image_size / crop_fraction, center crop, normalise: (image, label).
 
-    Deterministic. `image_bytes` is one encoded JPEG or PNG (scalar string tensor).
+    Deterministic.
+
+    Args:
+        image_bytes: one encoded JPEG or PNG (scalar string tensor).
+        label: returned unchanged.
+        image_size: the output's height and width.
+        dtype: the image's dtype: float32, bfloat16 or float16.
+        crop_fraction: the central crop's share of the resized shorter side, in (0, 1].
+
+    Returns:
+        `(image, label)`: the image `[image_size, image_size, 3]` in `dtype`.
+
+    Raises:
+        ValueError: `dtype` is not one of those three, or `crop_fraction` is out of range.
     """
     dtype = _output_dtype(dtype)
     if not 0 < crop_fraction <= 1:
@@ -133,11 +175,23 @@ def eval_preprocess(image_bytes, label, *, image_size=224, dtype=tf.float32,
     return normalize(image, dtype), label
 
 
-def example_mapper(training, image_size=224, dtype=tf.float32, image_key="image", label_key="label"):
+def example_mapper(training: bool, image_size: int = 224, dtype: tf.dtypes.DType | str = tf.float32,
+                   image_key: str = "image", label_key: str = "label",
+                   ) -> Callable[[dict[str, tf.Tensor]], tuple[tf.Tensor, tf.Tensor]]:
     """A function mapping a parsed example dict to (image, label), for `read_dataset(map_fn=...)`.
 
     The dict is what `pipelines.read_dataset` yields per record: encoded image bytes under
     `image_key`, an integer class under `label_key` (returned unchanged).
+
+    Args:
+        training: `train_preprocess` (random crop and flip) if True, else `eval_preprocess`.
+        image_size: the images' height and width.
+        dtype: the images' dtype: float32, bfloat16 or float16.
+        image_key: the feature holding the encoded image.
+        label_key: the feature holding the label.
+
+    Returns:
+        `map_example(example) -> (image, label)`.
     """
     preprocess = train_preprocess if training else eval_preprocess
 
@@ -147,12 +201,34 @@ def example_mapper(training, image_size=224, dtype=tf.float32, image_key="image"
     return map_example
 
 
-def synthetic_dataset(batch_size, *, image_size=224, num_classes=1000, dtype=tf.float32, seed=0):
+def synthetic_dataset(batch_size: int, *, image_size: int = 224, num_classes: int = 1000,
+                      dtype: tf.dtypes.DType | str = tf.float32, seed: int = 0) -> tf.data.Dataset:
     """An infinite dataset repeating one random batch: (images [N, H, W, 3] in dtype, int32 labels).
 
     For benchmarks: it measures compute only (plus copying the batch to the device each step),
     with no I/O, decoding or augmentation. The batch is generated once, from `seed`; images are
-    normal values truncated at +-2, about the scale of normalised real images. `batch_size` is per rank.
+    normal values truncated at +-2, about the scale of normalised real images.
+
+    Args:
+        batch_size: images per batch (per rank).
+        image_size: the images' height and width.
+        num_classes: labels are drawn from 0 to `num_classes - 1`.
+        dtype: the images' dtype: float32, bfloat16 or float16.
+        seed: the seed the batch is generated from.
+
+    Returns:
+        The dataset of `(images, labels)` batches.
+
+    Raises:
+        ValueError: `dtype` is not one of float32, bfloat16 or float16.
+
+    Example:
+        ```python
+        import tensorflow as tf
+        from tfdist.pipelines.preprocessing import synthetic_dataset
+        images, labels = next(iter(synthetic_dataset(8, image_size=32, dtype=tf.bfloat16)))
+        print(images.shape, images.dtype, labels.dtype)   # (8, 32, 32, 3) bfloat16 int32
+        ```
     """
     dtype = _output_dtype(dtype)
     images = tf.random.stateless_truncated_normal([batch_size, image_size, image_size, 3], seed=[seed, 0])

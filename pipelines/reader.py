@@ -14,12 +14,15 @@ counting pass before training finds the records that can be read, and the epochs
 from those (see `read_dataset`).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, Any, Callable
 
 import tensorflow as tf
 
@@ -28,23 +31,51 @@ from tfdist.pipelines.records import (  # noqa: F401  (parser_for, explain_recor
     SkippedRecords, block_parser_for, checked_records, count_bad_records, explain_record, parser_for,
 )
 
+if TYPE_CHECKING:
+    from tfdist.pipelines.manifest import Manifest
+
 log = logging.getLogger("tfdist.pipelines")
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """What one input pipeline reads: (file, first record, record count) segments."""
+    """What one input pipeline reads: (file, first record, record count) segments.
+
+    Args:
+        mode: "file" (whole shards: the shard count divides by the pipeline count) or "range"
+            (a contiguous range of the global record sequence).
+        segments: (shard path, first record, record count) per segment, in reading order.
+        records: the records in all segments.
+        steps_per_epoch: training steps per epoch, the same on every pipeline.
+        skipped: with `skip_corrupt`, the per-shard counts of dropped records; else None.
+        good_records: with `skip_corrupt` in training, this pipeline's readable records; else None.
+    """
 
     mode: str
-    segments: tuple
+    segments: tuple[tuple[str, int, int], ...]
     records: int
     steps_per_epoch: int = 0
-    skipped: object = None  # SkippedRecords in skip_corrupt mode
-    good_records: object = None  # skip_corrupt in training: this pipeline's readable records
+    skipped: SkippedRecords | None = None  # SkippedRecords in skip_corrupt mode
+    good_records: int | None = None  # skip_corrupt in training: this pipeline's readable records
 
 
-def plan_shards(manifest, num_pipelines, pipeline_id, batch_size=1, drop_remainder=True):
-    """Assign records to pipeline `pipeline_id` of `num_pipelines`; every record to exactly one."""
+def plan_shards(manifest: Manifest, num_pipelines: int, pipeline_id: int, batch_size: int = 1,
+                drop_remainder: bool = True) -> ShardPlan:
+    """Assign records to pipeline `pipeline_id` of `num_pipelines`; every record to exactly one.
+
+    Args:
+        manifest: the dataset.
+        num_pipelines: how many input pipelines share the dataset.
+        pipeline_id: this pipeline, 0 to `num_pipelines - 1`.
+        batch_size: the per-pipeline batch, for `steps_per_epoch`.
+        drop_remainder: count only full batches in `steps_per_epoch` (else a last partial one too).
+
+    Returns:
+        This pipeline's plan; `steps_per_epoch` comes from the smallest pipeline's share.
+
+    Raises:
+        ValueError: `pipeline_id` is out of range.
+    """
     if not 0 <= pipeline_id < num_pipelines:
         raise ValueError(f"pipeline_id {pipeline_id} out of range for {num_pipelines} pipelines")
     shards = manifest.shards
@@ -69,10 +100,14 @@ def plan_shards(manifest, num_pipelines, pipeline_id, batch_size=1, drop_remaind
     return ShardPlan(mode, tuple(mine), sum(n for _, _, n in mine), steps)
 
 
-def read_dataset(source, batch_size, *, input_context=None, training=True, map_fn=None,
-                 augment_fn=None, shuffle_buffer=10_000, seed=0, cache=None, interleave_cycle=None,
-                 deterministic=None, private_threads=None, ram_budget_mb=None, prefetch=True,
-                 skip_corrupt=False, initial_epoch=0):
+def read_dataset(source: str | os.PathLike[str] | Manifest, batch_size: int, *,
+                 input_context: tf.distribute.InputContext | None = None, training: bool = True,
+                 map_fn: Callable[[dict[str, tf.Tensor]], Any] | None = None,
+                 augment_fn: Callable[..., Any] | None = None, shuffle_buffer: int = 10_000,
+                 seed: int | None = 0, cache: str | None = None, interleave_cycle: int | None = None,
+                 deterministic: bool | None = None, private_threads: int | None = None,
+                 ram_budget_mb: float | None = None, prefetch: bool = True, skip_corrupt: bool = False,
+                 initial_epoch: int = 0) -> tuple[tf.data.Dataset, ShardPlan]:
     """The tf.data pipeline of one input pipeline (rank) and its `ShardPlan`.
 
     Args:
@@ -90,17 +125,22 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
             step count is the same on every pipeline: the smallest share decides it. A pipeline
             with more records uses a shuffled `steps_per_epoch * batch_size` of them each epoch
             (a different subset every epoch); nothing is read twice within an epoch.
-        seed, initial_epoch: epoch e shuffles with a seed derived from (seed, e), so its order
-            does not depend on how many epochs this process ran before: a run resumed with
-            `initial_epoch=e` (e.g. `callbacks.Checkpointer(...).initial_epoch()`) reads what an
-            uninterrupted run reads in epoch e (exactly, with `deterministic=True`), whatever
-            `tf.random.set_seed` says.
-        map_fn: applied to each parsed example (deterministic work: decode, cast), in parallel,
-            before the cache.
+        map_fn: applied to each parsed example (a dict: feature name -> tensor; deterministic
+            work: decode, cast), in parallel, before the cache.
         augment_fn: applied after the cache and the shuffle (random per-epoch work: crops,
             flips; also the place for decoding large images, so the shuffle buffer holds
             small encoded records), in parallel.
+        shuffle_buffer: records in the shuffle buffer (training).
+        seed: epoch e shuffles with a seed derived from (seed, e), so its order does not depend
+            on how many epochs this process ran before, whatever `tf.random.set_seed` says
+            (see `initial_epoch`). None: unseeded, a new order every run.
         cache: None, "memory", or a file path prefix: caches parsed (and `map_fn`'d) examples.
+        interleave_cycle: segments read in parallel; default: as many as there are, at most 8.
+        deterministic: keep the order of parallel reads and maps (`tf.data.Options`); default:
+            deterministic reads in evaluation only, tf.data's default elsewhere.
+        private_threads: size of a thread pool of this pipeline's own; default: tf.data's shared one.
+        ram_budget_mb: tf.data autotuning's RAM budget, in MB; default: tf.data's.
+        prefetch: end the pipeline with `prefetch(tf.data.AUTOTUNE)`.
         skip_corrupt: drop records that cannot be read or parsed instead of failing, and count
             them per shard in `plan.skipped` (see `callbacks.SkippedRecordsReport`). In training,
             a counting pass over this pipeline's part runs first (it reads the part once), so
@@ -111,6 +151,24 @@ def read_dataset(source, batch_size, *, input_context=None, training=True, map_f
             every rank must call `read_dataset` alike); otherwise this process counts every
             pipeline's share itself. `plan.good_records` is this pipeline's readable count, and
             `plan.skipped` reports the records each epoch drops (the same every epoch).
+        initial_epoch: the number of the first epoch, which picks its shuffle: a run resumed
+            with `initial_epoch=e` (e.g. `callbacks.Checkpointer(...).initial_epoch()`) reads what
+            an uninterrupted run reads in epoch e (exactly, with `deterministic=True`).
+
+    Returns:
+        `(dataset, plan)`: batches of parsed examples (dicts: feature name -> tensor; or what
+            `map_fn` / `augment_fn` return), and this pipeline's `ShardPlan`.
+
+    Raises:
+        ManifestError: the manifest is missing or malformed, or a shard's size differs from it.
+        FileNotFoundError: a shard file is missing, or no file matches a glob `source`.
+
+    Example:
+        ```python
+        from tfdist.pipelines import read_dataset
+        ds, plan = read_dataset("/scratch/digits/train", batch_size=32, training=True)
+        model.fit(ds, epochs=3, steps_per_epoch=plan.steps_per_epoch)
+        ```
     """
     if isinstance(source, manifest_lib.Manifest):
         manifest = source
@@ -245,8 +303,15 @@ def _who():
     return f"rank {rank}: " if size > 1 else ""
 
 
-def manifest_identity(manifest):
-    """(sha256 of the manifest's contents, description): equal iff two ranks read the same dataset."""
+def manifest_identity(manifest: Manifest) -> tuple[str, str]:
+    """(sha256 of the manifest's contents, description): equal iff two ranks read the same dataset.
+
+    Args:
+        manifest: the dataset.
+
+    Returns:
+        The hex digest and a one-line description naming the directory, records and shards.
+    """
     digest = hashlib.sha256(json.dumps(manifest.to_json(), sort_keys=True).encode()).hexdigest()
     return digest, (f"{manifest.directory} ({manifest.records} records, {len(manifest.shards)} shards, "
                     f"manifest sha256 {digest[:12]})")

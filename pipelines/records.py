@@ -11,16 +11,32 @@ counting pass it runs before training with `skip_corrupt=True`, so that the step
 epoch comes from the records that can actually be read.
 """
 
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 import tensorflow as tf
 
 from tfdist.pipelines import manifest as manifest_lib
 
+if TYPE_CHECKING:
+    from tfdist.pipelines.manifest import Manifest
+
 PARSE_BLOCK = 64  # records parsed together: vectorised parsing, per-record error checks
 
 
-def parser_for(manifest):
-    """A function parsing one serialized record into a dict of tensors, per the manifest's spec."""
+def parser_for(manifest: Manifest) -> Callable[[tf.Tensor], dict[str, tf.Tensor]]:
+    """A function parsing one serialized record into a dict of tensors, per the manifest's spec.
+
+    Args:
+        manifest: the dataset whose features the records hold.
+
+    Returns:
+        `parse(record)`: feature name -> tensor; a record that does not match raises.
+    """
     spec = {}
     for name, f in manifest.features.items():
         kind = {"int64": tf.int64, "float": tf.float32}.get(f.encoding, tf.string)
@@ -50,9 +66,14 @@ class SkippedRecords:
     the counts. Training mode knows them from the counting pass before training (`per_epoch`):
     every epoch drops the same records, so `report()` gives that epoch's drops whenever it is
     asked, never a sum over epochs or passes, and `reset()` has nothing to clear.
+
+    Args:
+        segments: the pipeline's (shard path, first record, record count) segments.
+        per_epoch: the records each segment drops every epoch (training: from the counting
+            pass); None counts drops as they happen, in a variable.
     """
 
-    def __init__(self, segments, per_epoch=None):
+    def __init__(self, segments: Sequence[tuple[str, int, int]], per_epoch: Sequence[int] | None = None):
         self.files = [path for path, _, _ in segments]
         self.per_epoch = None if per_epoch is None else [int(n) for n in per_epoch]
         self.counts = None
@@ -65,10 +86,11 @@ class SkippedRecords:
                     aggregation=tf.VariableAggregation.SUM,
                 )
 
-    def add(self, segment, count):
+    def add(self, segment: tf.Tensor, count: tf.Tensor) -> tf.Operation:
+        """Count `count` more records dropped from segment number `segment` (in-graph)."""
         return self.counts.scatter_add(tf.IndexedSlices(tf.reshape(count, [1]), tf.reshape(segment, [1])))
 
-    def report(self):
+    def report(self) -> dict[str, int]:
         """{shard path: records dropped} for the shards with any (this pipeline's part only)."""
         counts = self.per_epoch if self.per_epoch is not None else self.counts.numpy()
         totals = {}
@@ -77,18 +99,24 @@ class SkippedRecords:
                 totals[path] = totals.get(path, 0) + int(n)
         return totals
 
-    def reset(self):
+    def reset(self) -> None:
+        """Clear the counts (evaluation mode; training mode's `per_epoch` counts stay)."""
         if self.counts is not None:
             self.counts.assign(tf.zeros_like(self.counts))
 
 
-def block_parser_for(manifest):
+def block_parser_for(manifest: Manifest) -> Callable[[tf.Tensor], tuple[tf.Tensor, dict[str, tf.Tensor]]]:
     """Parse a block of serialized records without failing on a bad record.
 
-    Returns `parse_block(records) -> (problems [n, features] bool, examples dict of [n, ...])`:
-    a record with a feature missing, repeated, or of the wrong byte size gets zeros and a
+    A record with a feature missing, repeated, or of the wrong byte size gets zeros and a
     problem flag instead of an error. (A feature stored with another proto type, e.g. an int64
     list where the manifest says bytes, still fails the whole block; the caller handles that.)
+
+    Args:
+        manifest: the dataset whose features the records hold.
+
+    Returns:
+        `parse_block(records) -> (problems [n, features] bool, examples dict of [n, ...])`.
     """
     features = list(manifest.features.items())
     spec = {}
@@ -154,7 +182,11 @@ def _blocks(path, start, count, parse_block):
     return blocks.concatenate(sentinel).scan((zero, zero, zero), track)
 
 
-def checked_records(segment, path, start, count, parse_block, feature_names, skipped, expected_bad=None, who=""):
+def checked_records(segment: tf.Tensor, path: tf.Tensor, start: tf.Tensor, count: tf.Tensor,
+                    parse_block: Callable[[tf.Tensor], tuple[tf.Tensor, dict[str, tf.Tensor]]],
+                    feature_names: Sequence[str],
+                    skipped: SkippedRecords | None, expected_bad: tf.Tensor | None = None,
+                    who: str = "") -> tf.data.Dataset:
     """Records [start, start+count) of one shard, parsed in blocks, each checked.
 
     A record that cannot be read or parsed raises an error naming the shard and record; with
@@ -162,6 +194,21 @@ def checked_records(segment, path, start, count, parse_block, feature_names, ski
     `expected_bad` (a tensor: the drops per segment the counting pass found) is given: then
     a pass that drops another number of this segment's records raises instead (the file
     changed since it was counted), so an epoch always holds the records it was planned with.
+
+    Args:
+        segment: the segment's number (int64 scalar), its index in `skipped` and `expected_bad`.
+        path: the shard file (string scalar).
+        start: its first record to read (int64 scalar).
+        count: how many records to read (int64 scalar).
+        parse_block: from `block_parser_for`.
+        feature_names: the manifest's feature names, in order (for error messages).
+        skipped: drop bad records and count them here; None: raise on the first.
+        expected_bad: the drops per segment the counting pass found (training with
+            `skip_corrupt`), or None.
+        who: a prefix for error messages ("rank R: ").
+
+    Returns:
+        The segment's good records, parsed: dicts of feature name -> tensor.
     """
     def check(k, expected_block, seen, bad_before, parsed):
         problems, examples = parsed
@@ -210,11 +257,21 @@ def checked_records(segment, path, start, count, parse_block, feature_names, ski
     return _blocks(path, start, count, parse_block).map(check).map(good_rows).unbatch()
 
 
-def count_bad_records(segments, parse_block, cycle=8):
+def count_bad_records(segments: Sequence[tuple[str, int, int]],
+                      parse_block: Callable[[tf.Tensor], tuple[tf.Tensor, dict[str, tf.Tensor]]],
+                      cycle: int = 8) -> list[int]:
     """How many records of each (path, start, count) segment cannot be read or parsed: one pass.
 
     Reads and parses every record of the segments (in parallel, `cycle` at a time), exactly as
     `checked_records` does, so a training pass drops the same records.
+
+    Args:
+        segments: (shard path, first record, record count) per segment.
+        parse_block: from `block_parser_for`.
+        cycle: segments read in parallel.
+
+    Returns:
+        The bad records per segment, in `segments` order.
     """
     if not segments:
         return []
@@ -240,8 +297,24 @@ def count_bad_records(segments, parse_block, cycle=8):
     return [int(n) for n in totals.numpy()]
 
 
-def explain_record(source, path, index):
-    """Why record `index` of shard file `path` fails: names the feature (or the read error)."""
+def explain_record(source: str | os.PathLike[str] | Manifest, path: str, index: int) -> str:
+    """Why record `index` of shard file `path` fails: names the feature (or the read error).
+
+    Args:
+        source: the dataset (directory or manifest file) or its `Manifest`.
+        path: the shard file.
+        index: the record's position in the shard, from 0.
+
+    Returns:
+        A sentence naming the shard, the record and the cause; it ends "parses fine" when
+            the record is good.
+
+    Example:
+        ```python
+        from tfdist.pipelines import explain_record
+        print(explain_record("/scratch/digits", "/scratch/digits/data-00000-of-00008.tfrecord", 7))
+        ```
+    """
     manifest = manifest_lib.load(source) if not isinstance(source, manifest_lib.Manifest) else source
     try:
         record = next(iter(tf.data.TFRecordDataset(path).skip(index).take(1)), None)

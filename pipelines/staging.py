@@ -18,6 +18,8 @@ every shard has the right size (and checksum). A damaged local shard is reported
 a source shard that disagrees with its manifest raises `ManifestError` naming it.
 """
 
+from __future__ import annotations
+
 import contextlib
 import fcntl
 import glob
@@ -27,10 +29,14 @@ import os
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tfdist.errors import TfdistError
 from tfdist.pipelines import manifest as manifest_lib
 from tfdist.units import MB
+
+if TYPE_CHECKING:
+    from tfdist.pipelines.manifest import Manifest
 
 log = logging.getLogger("tfdist.pipelines")
 
@@ -50,13 +56,38 @@ class StagingError(TfdistError):
     """Local rank 0 failed to stage the dataset (raised on the local ranks waiting for it)."""
 
 
-def stage_dataset(source, local_dir=None, *, local_rank=None, timeout=600, verify="checksum"):
+def stage_dataset(source: str | os.PathLike[str], local_dir: str | os.PathLike[str] | None = None, *,
+                  local_rank: int | None = None, timeout: float = 600, verify: str = "checksum") -> Manifest:
     """Stage the dataset in directory `source` into node-local `local_dir`; return the local `Manifest`.
 
     Call it on every rank (local rank 0 copies, the others wait up to `timeout` seconds).
-    `local_dir` defaults to `default_local_dir(source)`; `local_rank` to Horovod's when Horovod is
-    initialised, else `$OMPI_COMM_WORLD_LOCAL_RANK`, `$SLURM_LOCALID`, `$HOROVOD_LOCAL_RANK`, else 0.
-    `verify="size"` skips checksums: faster, but a damaged byte goes unnoticed.
+
+    Args:
+        source: the dataset directory (with manifest.json) on shared storage.
+        local_dir: where the copy goes; default: `default_local_dir(source)`.
+        local_rank: this process's rank on its node; default: Horovod's when Horovod is
+            initialised, else `$OMPI_COMM_WORLD_LOCAL_RANK`, `$SLURM_LOCALID`,
+            `$HOROVOD_LOCAL_RANK`, else 0.
+        timeout: seconds to wait for the lock (local rank 0) or for local rank 0's copy (the others).
+        verify: "checksum" compares each shard's SHA-256 with the manifest; "size" skips
+            checksums: faster, but a damaged byte goes unnoticed.
+
+    Returns:
+        The manifest of the local copy.
+
+    Raises:
+        ValueError: `verify` is unknown, or `local_dir` is `source`.
+        ManifestError: the source manifest is missing or malformed, or a source shard
+            disagrees with it.
+        StagingError: local rank 0 failed (raised on the other local ranks).
+        TimeoutError: the copy or the lock was not ready within `timeout` seconds.
+
+    Example:
+        ```python
+        from tfdist.pipelines import read_dataset, stage_dataset
+        local = stage_dataset("/project/def-me/digits")   # on every rank
+        ds, plan = read_dataset(local.directory, batch_size=32, training=True)
+        ```
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}; expected one of {VERIFY_MODES}")
@@ -73,8 +104,15 @@ def stage_dataset(source, local_dir=None, *, local_rank=None, timeout=600, verif
     return manifest_lib.load(local_dir)
 
 
-def default_local_dir(source):
-    """`$SLURM_TMPDIR/tfdist-stage/<name>-<hash of the source path>`; `$TMPDIR` or /tmp off Slurm."""
+def default_local_dir(source: str | os.PathLike[str]) -> str:
+    """`$SLURM_TMPDIR/tfdist-stage/<name>-<hash of the source path>`; `$TMPDIR` or /tmp off Slurm.
+
+    Args:
+        source: the dataset directory on shared storage.
+
+    Returns:
+        The node-local directory `stage_dataset` copies it to by default.
+    """
     source = os.path.abspath(source)
     base = os.environ.get("SLURM_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]

@@ -11,19 +11,34 @@ A dataset directory with a manifest is therefore complete, and an interrupted wr
 `*.tmp-*` files, which the next write into that directory removes (restart, not resume).
 """
 
+from __future__ import annotations
+
 import glob
 import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.pipelines import manifest as manifest_lib
 
+if TYPE_CHECKING:
+    from tfdist.pipelines.manifest import FeatureSpec, Manifest
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 
-def infer_spec(example):
-    """FeatureSpec per feature of one example (a dict of numpy values, scalars or bytes)."""
+def infer_spec(example: Mapping[str, Any]) -> dict[str, FeatureSpec]:
+    """FeatureSpec per feature of one example (a dict of numpy values, scalars or bytes).
+
+    Args:
+        example: feature name -> value (bytes or str, a scalar, or an array).
+
+    Returns:
+        Feature name -> how it is stored: bytes as they are, integer and float scalars as
+            int64 / float, anything else as raw array bytes.
+    """
     specs = {}
     for name, value in example.items():
         if isinstance(value, (bytes, str)):
@@ -39,8 +54,19 @@ def infer_spec(example):
     return specs
 
 
-def serialize(example, specs):
-    """One tf.train.Example, checking each value against the dataset's spec."""
+def serialize(example: Mapping[str, Any], specs: Mapping[str, FeatureSpec]) -> bytes:
+    """One tf.train.Example, checking each value against the dataset's spec.
+
+    Args:
+        example: feature name -> value.
+        specs: the dataset's features (from `infer_spec`).
+
+    Returns:
+        The serialized `tf.train.Example`.
+
+    Raises:
+        ValueError: a feature is missing, or a raw array's dtype or shape differs from its spec.
+    """
     feature = {}
     for name, spec in specs.items():
         if name not in example:
@@ -99,13 +125,42 @@ class _ShardGroup:
         return shards
 
 
-def write_examples(examples, out_dir, *, prefix="data", shard_bytes=100 << 20, min_shards=1,
-                   class_names=(), specs=None, progress=None):
+def write_examples(examples: Iterable[Mapping[str, Any]], out_dir: str | os.PathLike[str], *,
+                   prefix: str = "data", shard_bytes: int = 100 << 20, min_shards: int = 1,
+                   class_names: Sequence[str] = (), specs: Mapping[str, FeatureSpec] | None = None,
+                   progress: Callable[[int], object] | None = None) -> Manifest:
     """Write an iterable of example dicts; returns the `Manifest` (also saved as manifest.json).
 
     Records go round robin into `min_shards` shards at a time, so there are always at least
     `min_shards` shards (given that many records) and their record counts differ by at most one
     within each group; a group is closed when each of its shards reaches `shard_bytes`.
+
+    Args:
+        examples: dicts of feature name -> value (bytes or str, a numpy scalar or array), all
+            with the same features.
+        out_dir: the dataset directory (created if missing); a manifest and `*.tmp-*` files
+            already there are removed first.
+        prefix: shard file names are `<prefix>-<i>-of-<n>.tfrecord`.
+        shard_bytes: the target size of each shard, in bytes.
+        min_shards: shards written at once (at least this many, given that many records).
+        class_names: label -> class name, kept in the manifest.
+        specs: the features' storage; default: inferred from the first example.
+        progress: called with the count of records written after each one.
+
+    Returns:
+        The dataset's manifest.
+
+    Raises:
+        ValueError: there are no examples, or one does not match the others (named).
+
+    Example:
+        ```python
+        import numpy as np
+        from tfdist.pipelines import write_examples
+        rows = ({"x": np.full(4, i, np.float32), "y": np.int64(i % 2)} for i in range(100))
+        manifest = write_examples(rows, "/tmp/tfdist-example", min_shards=4)
+        print(manifest.records, len(manifest.shards))   # 100 4
+        ```
     """
     os.makedirs(out_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(out_dir, "*.tmp-*")):
@@ -141,8 +196,30 @@ def write_examples(examples, out_dir, *, prefix="data", shard_bytes=100 << 20, m
     return result
 
 
-def write_arrays(features, out_dir, **kwargs):
-    """Write a dict of equal-length numpy arrays (one record per row)."""
+def write_arrays(features: Mapping[str, np.ndarray], out_dir: str | os.PathLike[str],
+                 **kwargs: Any) -> Manifest:
+    """Write a dict of equal-length numpy arrays (one record per row).
+
+    Args:
+        features: feature name -> array; row i of every array makes record i.
+        out_dir: the dataset directory (as in `write_examples`).
+        **kwargs: `write_examples`' keyword arguments (`min_shards`, `shard_bytes`, ...).
+
+    Returns:
+        The dataset's manifest (also saved as manifest.json).
+
+    Raises:
+        ValueError: the arrays differ in length.
+
+    Example:
+        ```python
+        import numpy as np
+        from tfdist.pipelines import write_arrays
+        x, y = np.random.rand(100, 4).astype(np.float32), np.arange(100) % 2
+        manifest = write_arrays({"x": x, "y": y}, "/tmp/tfdist-arrays", min_shards=4)
+        print(manifest.records, manifest.features["x"].shape)   # 100 (4,)
+        ```
+    """
     lengths = {name: len(array) for name, array in features.items()}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"feature arrays differ in length: {lengths}")
@@ -151,8 +228,20 @@ def write_arrays(features, out_dir, **kwargs):
     return write_examples(examples, out_dir, **kwargs)
 
 
-def image_folder_examples(root):
-    """(examples, class_names) for an ImageNet-style folder: one sub-folder per class."""
+def image_folder_examples(root: str | os.PathLike[str]) -> tuple[Iterator[dict[str, Any]], list[str], int]:
+    """(examples, class_names, count) for an ImageNet-style folder: one sub-folder per class.
+
+    Args:
+        root: the folder: `root/<class>/<image>`, images ending .jpg, .jpeg or .png.
+
+    Returns:
+        A generator of `{"image": encoded bytes, "label": int64}` (each image checked as it is
+            read), the sorted class names, and the number of images.
+
+    Raises:
+        ValueError: `root` has no class folders or no images (an image that cannot be decoded
+            raises when the generator reaches it).
+    """
     class_names = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     if not class_names:
         raise ValueError(f"{root} has no class sub-folders (expected root/<class>/<image>)")
@@ -186,7 +275,30 @@ def _check_decodes(path, data):
         raise ValueError(f"image {path} cannot be decoded: {str(e).splitlines()[0]}") from None
 
 
-def write_image_folder(root, out_dir, **kwargs):
-    """Write an image folder; images stay encoded (JPEG/PNG bytes), labels from sorted folder names."""
+def write_image_folder(root: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                       **kwargs: Any) -> Manifest:
+    """Write an image folder; images stay encoded (JPEG/PNG bytes), labels from sorted folder names.
+
+    Args:
+        root: the folder: `root/<class>/<image>`, images ending .jpg, .jpeg or .png.
+        out_dir: the dataset directory (as in `write_examples`).
+        **kwargs: `write_examples`' keyword arguments (`min_shards`, `shard_bytes`, ...), except
+            `class_names`, which come from the folder names.
+
+    Returns:
+        The dataset's manifest, with the features "image" (bytes) and "label" (int64).
+
+    Raises:
+        ValueError: `root` has no class folders or no images, or an image cannot be decoded
+            (named).
+
+    Example:
+        ```python
+        from tfdist.pipelines import write_image_folder
+        manifest = write_image_folder("/data/imagenet/train", "/scratch/imagenet-train",
+                                      shard_bytes=100 << 20, min_shards=64)
+        print(manifest.class_names[:3], manifest.records)
+        ```
+    """
     examples, class_names, _ = image_folder_examples(root)
     return write_examples(examples, out_dir, class_names=class_names, **kwargs)

@@ -112,7 +112,7 @@ done
 want() {
   local mpi=gloo-only
   command -v mpicxx >/dev/null && mpi=mpi
-  local sources=("$ROOT/setup.cfg" "$0" "$ROOT/tfdist/install_horovod.py")
+  local sources=("$ROOT/setup.cfg" "$0" "$ROOT/tfdist/install_horovod.py" "$ROOT/tfdist/horovod_toolchain.py")
   echo "tf=$TF_VERSION-$STACK hvd=$HOROVOD_VERSION $mpi $(cat "${sources[@]}" | sha1sum | cut -c1-12)"
 }
 asked_before=$( [ -f "$STAMP" ] && sed -n 2p "$STAMP" || true)
@@ -189,6 +189,11 @@ log "installing $TF_REQ, tf-keras, test tools"
 pip_quiet install -q "$TF_REQ" "tf-keras==$TF_VERSION" tensorboard \
   numpy pytest scikit-learn matplotlib cloudpickle psutil pyyaml "tensorboard-plugin-profile==2.24.2"
 pip_quiet install -q --no-deps -e "$ROOT"
+# The docs site's tools, as pinned in setup.cfg's `docs` extra (tests/test_docs_site.py builds it).
+mapfile -t DOCS_REQ < <("$PY" -c 'import configparser, sys; c = configparser.ConfigParser(); c.read(sys.argv[1])
+print(c["options.extras_require"]["docs"].strip())' "$ROOT/setup.cfg")
+log "installing the docs tools (setup.cfg's docs extra): ${DOCS_REQ[*]}"
+pip_quiet install -q "${DOCS_REQ[@]}"
 
 # Horovod: the cached wheel, else built once (the same code as `tfdist-install-horovod`).
 # (--gpu: NCCL with the GPU stack, never with the CPU one, even where CUDA wheels are left over.)

@@ -16,8 +16,13 @@ TINY = ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10", "--
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
 
 
+def program(name):
+    """An installed console script (`tfdist-benchmark`, ...), or a file under scripts/ run by this Python."""
+    return [str(BIN / name)] if name.startswith("tfdist-") else [sys.executable, str(ROOT / "scripts" / name)]
+
+
 def script(name, args, np=None):
-    command = [sys.executable, str(ROOT / "scripts" / name), *map(str, args)]
+    command = [*program(name), *map(str, args)]
     if np:
         command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", *command]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
@@ -30,8 +35,7 @@ def script_exit_delay(name, args, np, last_line):
     import threading
     import time
 
-    command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", sys.executable, str(ROOT / "scripts" / name),
-               *map(str, args)]
+    command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", *program(name), *map(str, args)]
     proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     timer = threading.Timer(300, proc.kill)
@@ -52,7 +56,7 @@ def script_exit_delay(name, args, np, last_line):
 @pytest.mark.parametrize("mode,np", [("none", None), ("tfdist", 2), ("horovod", 2), ("mwms", 2)])
 def test_benchmark_modes_report_like_tf_cnn_benchmarks(tmp_path, mode, np):
     result = tmp_path / "r.json"
-    out = script("benchmark.py", [*TINY, "--variable_update", mode, "--json", result], np=np)
+    out = script("tfdist-benchmark", [*TINY, "--variable_update", mode, "--json", result], np=np)
     assert f"Mode: {mode}  ranks: {np or 1}" in out and "Warm-up batches (excluded): 1" in out
     assert len(re.findall(r"images/sec: [\d.]+ \+/- [\d.]+ \(jitter = [\d.]+\)", out)) == 2
     assert re.search(r"total images/sec: [\d.]+", out)
@@ -70,14 +74,14 @@ def test_benchmark_modes_report_like_tf_cnn_benchmarks(tmp_path, mode, np):
 
 @pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])  # tf-keras failed: no validation step count
 def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path, flavour):
-    script("make_digits_dataset.py", [tmp_path / "digits", "--size", "16"])
+    script("examples/make_digits_dataset.py", [tmp_path / "digits", "--size", "16"])
     result = tmp_path / "acc.json"
     out, exit_delay = script_exit_delay(
-        "benchmark.py", ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10",
-                         "--batch_size", "32", "--data_dir", tmp_path / "digits" / "train",
-                         "--eval_dir", tmp_path / "digits" / "test", "--epochs", "3",
-                         "--target_accuracy", "0.2", "--display_every", "10", "--json", result,
-                         "--keras", flavour],
+        "tfdist-benchmark", ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10",
+                             "--batch_size", "32", "--data_dir", tmp_path / "digits" / "train",
+                             "--eval_dir", tmp_path / "digits" / "test", "--epochs", "3",
+                             "--target_accuracy", "0.2", "--display_every", "10", "--json", result,
+                             "--keras", flavour],
         np=2, last_line="final test accuracy:")
     assert "final test accuracy:" in out and "epoch 1: test accuracy" in out
     # the job ends promptly after its results (it lingered 19-22 s releasing tf.data iterators)
@@ -93,8 +97,8 @@ def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path, 
 
 
 def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):
-    out = script("scaling.py", ["--ranks", "1", "2", "--modes", "none", "mwms", "--repeats", "1",
-                                "--global_batch", "8", "--out", tmp_path / "s", "--", *TINY])
+    out = script("tfdist-scaling", ["--ranks", "1", "2", "--modes", "none", "mwms", "--repeats", "1",
+                                    "--global_batch", "8", "--out", tmp_path / "s", "--", *TINY])
     table = (tmp_path / "s.md").read_text()
     assert [line.split("|")[1:3] for line in table.splitlines()[2:]] == [
         [" none ", " 1 "], [" mwms ", " 1 "], [" mwms ", " 2 "]]
@@ -123,8 +127,8 @@ def test_resnet50_v15_has_the_reference_parameter_count():
 
 
 def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
-    script("benchmark.py", [*TINY, "--variable_update", "none", "--profile_dir", tmp_path / "prof"])
-    out = script("profile_summary.py", [tmp_path / "prof", tmp_path / "prof", "--top", "5"])
+    script("tfdist-benchmark", [*TINY, "--variable_update", "none", "--profile_dir", tmp_path / "prof"])
+    out = script("tfdist-profile", [tmp_path / "prof", tmp_path / "prof", "--top", "5"])
     rows = [line.split("|")[1:-1] for line in out.splitlines()[2:]]
     assert len(rows) == 6 and rows[-1][0].strip() == "all ops"  # 5 op types, then the total
     assert any("Conv2D" in row[0] for row in rows[:-1])  # the CNN's convolutions are among the top
@@ -153,7 +157,7 @@ def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
 @pytest.mark.skipif(bool(__import__("tfdist.gpu").gpu.visible_ids()), reason="a GPU is visible here")
 @pytest.mark.parametrize("mode", ["tfdist", "horovod"])
 def test_device_gpu_without_a_gpu_fails_naming_what_it_found(mode):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), *TINY, "--device", "gpu",
+    out = subprocess.run([str(BIN / "tfdist-benchmark"), *TINY, "--device", "gpu",
                           "--variable_update", mode], capture_output=True, text=True, timeout=300, env=ENV)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]

@@ -1,4 +1,4 @@
-"""scripts/emulate_hosts.py: shaped links really limit throughput, traffic stays inside, nothing is left behind.
+"""tests/emulate_hosts.py: shaped links really limit throughput, traffic stays inside, nothing is left behind.
 
 Fast (no TensorFlow): a few MB over python sockets between namespaces.
 """
@@ -15,8 +15,8 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "scripts" / "multihost"))
+sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))  # multihost_benchmark
+sys.path.insert(0, str(ROOT / "scripts" / "benchmarks" / "multihost"))  # timeline_overlap
 import emulate_hosts  # noqa: E402
 import timeline_overlap  # noqa: E402
 from emulate_hosts import EmulationError, Link, NetworkNamespaces  # noqa: E402
@@ -139,7 +139,7 @@ def test_cleanup_on_exception_and_with_processes_still_running():
 def test_cleanup_on_signal(sig):
     script = ("import sys, time; sys.path.insert(0, sys.argv[1]); from emulate_hosts import NetworkNamespaces\n"
               "with NetworkNamespaces(3) as h:\n    print(*h.names, flush=True); time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(ROOT / "scripts")], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(ROOT / "tests")], stdout=subprocess.PIPE, text=True)
     try:
         names = proc.stdout.readline().split()
         assert len(names) == 3
@@ -156,7 +156,7 @@ def test_cleanup_on_signal(sig):
 def test_stale_namespaces_of_a_killed_run_are_cleaned_up():
     script = ("import sys, time; sys.path.insert(0, sys.argv[1]); from emulate_hosts import NetworkNamespaces\n"
               "h = NetworkNamespaces(2).create(); print(*h.names, flush=True); time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(ROOT / "scripts")], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(ROOT / "tests")], stdout=subprocess.PIPE, text=True)
     names = proc.stdout.readline().split()
     proc.kill()  # SIGKILL: nothing can clean up
     proc.wait(timeout=10)

@@ -12,11 +12,11 @@ import zipfile
 
 import pytest
 
-from tfdist import install_horovod as ih
+from tfdist import horovod_toolchain as toolchain
 
 PY = f"cp{sys.version_info[0]}{sys.version_info[1]}"
-WHEEL_GLOB = os.path.join(ih.default_cache(), "wheels", f"horovod-{ih.HOROVOD_VERSION}-tf2.21.*-{PY}*-nccl",
-                          f"horovod-{ih.HOROVOD_VERSION}-*.whl")
+WHEEL_GLOB = os.path.join(toolchain.default_cache(), "wheels", f"horovod-{toolchain.HOROVOD_VERSION}-tf2.21.*-{PY}*-nccl",
+                          f"horovod-{toolchain.HOROVOD_VERSION}-*.whl")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def library(tmp_path_factory):
 def test_cached_gpu_wheel_is_built_with_nccl(library):
     dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True, check=True).stdout
     assert "[libnccl.so.2]" in dynamic  # linked to the nvidia-nccl-cu12 wheel's library ...
-    assert ih.NCCL_RUNPATH in dynamic  # ... found where that wheel installs it, in any environment
+    assert toolchain.NCCL_RUNPATH in dynamic  # ... found where that wheel installs it, in any environment
     assert "cuda-toolkit" not in dynamic  # no build folder left in the RUNPATH
     imports = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True, text=True,
                              check=True).stdout.split()

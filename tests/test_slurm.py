@@ -26,7 +26,7 @@ CPU_TEMPLATE = ROOT / "scripts" / "slurm" / "cpu_nodes.sbatch"
 WATCHDOG_WORKER = ROOT / "tests" / "multirank" / "watchdog_checks.py"
 LAUNCH_WORKER = ROOT / "tests" / "multirank" / "launch_checks.py"
 HOST = socket.gethostname()
-TEST_DIGITS = 360  # scripts/make_digits_dataset.py's test split
+TEST_DIGITS = 360  # scripts/examples/make_digits_dataset.py's test split
 ONE_NODE = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=6"]
 
 
@@ -46,7 +46,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     out = tmp_path_factory.mktemp("slurm-data") / "digits"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_digits_dataset.py"), str(out), "--size", "16"],
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "examples" / "make_digits_dataset.py"), str(out), "--size", "16"],
                    check=True, capture_output=True, timeout=300, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     return out

@@ -1,5 +1,7 @@
 """HorovodStrategy in one process (size 1, no launcher) and the collectives' edge cases."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -119,6 +121,36 @@ def test_reader_marks_per_rank_datasets_only(tmp_path):
 def test_this_horovod_build_has_no_xla_ops():
     # The bootstrap builds without xla_mpi_ops.cc; tfdist must know (and say so under jit_compile).
     assert collectives.xla_ops_available() is False
+
+
+def test_arguments_are_checked_before_anything_starts():
+    # A misspelt option fails at once on every rank, naming itself: before Horovod starts, the
+    # tuning plan is applied or a collective runs (where another rank might wait forever).
+    code = (
+        "import json, os, tfdist\n"
+        "bad = [dict(batch_convention='global_batch'), dict(bucket_mb=-1), dict(bucket_mb='25'), dict(op='max'),\n"
+        "       dict(compression='zip'), dict(precision='fp8'), dict(tuning={'threads': 2}), dict(tuning='fast'),\n"
+        "       dict(horovod={'fusion': 1}), dict(watchdog=-5), dict(fingerprint=3), dict(device=0),\n"
+        "       dict(op='adasum', compression='powersgd:2')]\n"
+        "errors = []\n"
+        "for kwargs in bad:\n"
+        "    try:\n"
+        "        tfdist.HorovodStrategy(**kwargs)\n"
+        "        errors.append([list(kwargs), 'accepted'])\n"
+        "    except (ValueError, TypeError) as e:\n"
+        "        errors.append([list(kwargs), str(e)])\n"
+        "import horovod.tensorflow as hvd\n"
+        "print(json.dumps({'errors': errors, 'initialized': hvd.is_initialized(),\n"
+        "                  'knobs': sorted(k for k in os.environ if k.startswith('HOROVOD_'))}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["initialized"] is False and result["knobs"] == [], result
+    for names, message in result["errors"]:
+        assert message != "accepted", names
+        assert f"{names[-1]}=" in message or f"{names[0]}=" in message, (names, message)
 
 
 def test_missing_horovod_gives_install_command():

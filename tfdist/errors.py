@@ -24,8 +24,11 @@ class WatchdogError(TfdistError):
 
 
 class KerasHookError(TfdistError):
-    """A Keras hook tfdist needs (global metrics, loss scaling, predict, callbacks) cannot be
-    installed on this Keras version; raised by `HorovodStrategy()`, naming the hook."""
+    """A Keras hook tfdist needs cannot be installed on this Keras version.
+
+    The hooks: global metrics, loss scaling, predict, callbacks. Raised by `HorovodStrategy()`,
+    naming the hook.
+    """
 
 
 class NonFiniteLossError(TfdistError):
@@ -35,13 +38,19 @@ class NonFiniteLossError(TfdistError):
 
 
 class SaveSyncError(TfdistError):
-    """A rank's save could not be matched with the chief's (`tfdist.keras.chief_saves`): the chief made
-    no such save within `TFDIST_SAVE_TIMEOUT`, left the job first, or its matching save failed."""
+    """A rank's save could not be matched with the chief's (`tfdist.keras.chief_saves`).
+
+    The chief made no such save within `TFDIST_SAVE_TIMEOUT`, left the job first, or its
+    matching save failed.
+    """
 
 
 class GPUNotFoundError(TfdistError):
-    """A job asked for a GPU (`HorovodStrategy(device="gpu")`, `tfdist-benchmark --device gpu`) and
-    TensorFlow sees none; the message names the rank, host, driver, CUDA_VISIBLE_DEVICES and build."""
+    """A job asked for a GPU and TensorFlow sees none.
+
+    Raised by `HorovodStrategy(device="gpu")` and `tfdist-benchmark --device gpu`; the message
+    names the rank, host, driver, CUDA_VISIBLE_DEVICES and build.
+    """
 
 
 class LaunchError(TfdistError):

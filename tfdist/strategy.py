@@ -65,7 +65,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             and `pipelines.read_dataset(input_context=...)` datasets are per rank either way.
         compression: gradient compression: None or "none"; "fp16" (floating gradients cast to
             float16 before and back after; halves the bytes sent) or a
-            `horovod.tensorflow.Compression`; "powersgd:<rank>" or "topk:<density>" (or a
+            `horovod.tensorflow.Compression`; `"powersgd:<rank>"` or `"topk:<density>"` (or a
             `tfdist.exchange.compression.PowerSGD` / `TopK`): low-rank or sparse gradients with error
             feedback, per-rank state that `callbacks.Checkpointer` saves; they replace the
             optimizer's gradient sum only (docs/COMMUNICATION.md).

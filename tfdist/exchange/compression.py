@@ -29,6 +29,11 @@ state as it was. With loss scaling the memories are in loss-scaled units (as PyT
 communication hooks under AMP).
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
@@ -39,7 +44,8 @@ from tfdist.exchange import compression_plan
 class Compressor:
     """Base class: per-rank state in creation order, and the gradient-sum exchange.
 
-    Subclasses implement `reduce(values, variables)`: the sum over ranks of each value (one per
+    Subclasses implement `plan(shape)` (how a gradient of that shape is compressed, or None:
+    sent whole) and `reduce(values, variables)`: the sum over ranks of each value (one per
     variable), computed from compressed messages.
     """
 
@@ -50,15 +56,20 @@ class Compressor:
         self._order = []  # every state variable, in creation order (the same on every rank)
         self._pending = []  # arrays from a checkpoint, for state created after the restore
 
-    def state_variables(self):
+    def state_variables(self) -> list[tf.Variable]:
         """This rank's state variables, in creation order (what a checkpoint stores per rank)."""
         return list(self._order)
 
-    def restore(self, arrays):
+    def restore(self, arrays: Iterable[np.ndarray]) -> None:
         """Load this rank's state from `arrays` (numpy, in `state_variables` order).
 
         State not created yet (the first step has not run) is loaded when it is created.
-        Raises ValueError naming the variable whose shape differs.
+
+        Args:
+            arrays: this rank's state, as `state_variables` held it when saved.
+
+        Raises:
+            ValueError: an array's shape differs from its variable's (named).
         """
         arrays = [np.asarray(a) for a in arrays]
         existing = self._order[:len(arrays)]
@@ -67,7 +78,8 @@ class Compressor:
             variable.assign(array)
         self._pending = arrays[len(existing):]
 
-    def describe(self):
+    def describe(self) -> str:
+        """The compression setting as `HorovodStrategy(compression=...)` takes it, e.g. "powersgd:4"."""
         return self.name
 
     def _sum_uncompressed(self, values):
@@ -133,26 +145,51 @@ class PowerSGD(Compressor):
             matrix (a rank-full approximation is then exact).
         seed: the seed of Q's first value (the same on every rank).
 
-    Example: `tfdist.HorovodStrategy(compression=tfdist.exchange.compression.PowerSGD(rank=4))`.
+    Raises:
+        ValueError: `rank` is below 1.
+
+    Example:
+        ```python
+        import tfdist
+        from tfdist.exchange import PowerSGD
+        strategy = tfdist.HorovodStrategy(compression=PowerSGD(rank=4))
+        ```
     """
 
     name = "powersgd"
 
-    def __init__(self, rank=4, min_compression_rate=2.0, seed=0):
+    def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0):
         super().__init__()
         if int(rank) < 1:
             raise ValueError(f"PowerSGD rank={rank}: expected an integer >= 1")
         self.rank, self.min_compression_rate, self.seed = int(rank), float(min_compression_rate), int(seed)
 
-    def describe(self):
+    def describe(self) -> str:
+        """`"powersgd:<rank>"`."""
         return f"powersgd:{self.rank}"
 
-    def plan(self, shape):
-        """(rows, cols, rank) if a gradient of `shape` is compressed, else None."""
+    def plan(self, shape: Sequence[int]) -> tuple[int, int, int] | None:
+        """(rows, cols, rank) if a gradient of `shape` is compressed, else None.
+
+        Args:
+            shape: the gradient's shape.
+
+        Returns:
+            The matrix it is seen as and the approximation's rank, or None: sent whole.
+        """
         return compression_plan.powersgd_plan(shape, self.rank, self.min_compression_rate)
 
     @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
-    def reduce(self, values, variables):
+    def reduce(self, values: Sequence[tf.Tensor], variables: Sequence[Any]) -> list[tf.Tensor]:
+        """The sum over ranks of each gradient in `values` (one per variable in `variables`).
+
+        Args:
+            values: this rank's gradients.
+            variables: the variables they belong to (keys of the error-feedback state).
+
+        Returns:
+            The approximate sums (exact for the tensors sent whole), in `values`' shapes and dtypes.
+        """
         out, plans, low = self._sum_uncompressed(values)
         if not low:
             return out
@@ -188,27 +225,52 @@ class TopK(Compressor):
         density: the fraction of each gradient's entries a rank sends (0 < density < 0.5).
         min_entries: tensors with fewer entries go uncompressed.
 
-    Example: `tfdist.HorovodStrategy(compression=tfdist.exchange.compression.TopK(density=0.01))`.
+    Raises:
+        ValueError: `density` is not between 0 and 0.5.
+
+    Example:
+        ```python
+        import tfdist
+        from tfdist.exchange import TopK
+        strategy = tfdist.HorovodStrategy(compression=TopK(density=0.01))
+        ```
     """
 
     name = "topk"
 
-    def __init__(self, density=0.01, min_entries=1024):
+    def __init__(self, density: float = 0.01, min_entries: int = 1024):
         super().__init__()
         if not 0 < float(density) < 0.5:
             raise ValueError(f"TopK density={density}: expected 0 < density < 0.5 (values and indices "
                              "both travel, so 0.5 or more sends more than the dense gradient)")
         self.density, self.min_entries = float(density), int(min_entries)
 
-    def describe(self):
+    def describe(self) -> str:
+        """`"topk:<density>"`."""
         return f"topk:{self.density:g}"
 
-    def plan(self, shape):
-        """Entries sent (k) if a gradient of `shape` is compressed, else None."""
+    def plan(self, shape: Sequence[int]) -> int | None:
+        """Entries sent (k) if a gradient of `shape` is compressed, else None.
+
+        Args:
+            shape: the gradient's shape.
+
+        Returns:
+            The entries each rank sends, or None: sent whole.
+        """
         return compression_plan.topk_plan(shape, self.density, self.min_entries)
 
     @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
-    def reduce(self, values, variables):
+    def reduce(self, values: Sequence[tf.Tensor], variables: Sequence[Any]) -> list[tf.Tensor]:
+        """The sum over ranks of each gradient in `values` (one per variable in `variables`).
+
+        Args:
+            values: this rank's gradients.
+            variables: the variables they belong to (keys of the error-feedback state).
+
+        Returns:
+            The approximate sums (exact for the tensors sent whole), in `values`' shapes and dtypes.
+        """
         out, plans, sparse = self._sum_uncompressed(values)
         if not sparse:
             return out
@@ -241,11 +303,15 @@ class TopK(Compressor):
         return out
 
 
-def parse(value):
+def parse(value: str | Compressor | Any | None) -> tuple[Any, Compressor | None]:
     """(Horovod compression or None, Compressor or None) from `HorovodStrategy(compression=...)`.
 
-    Accepts None, "none", "fp16", "powersgd", "powersgd:<rank>", "topk", "topk:<density>", a
-    `Compressor` or a `horovod.tensorflow.Compression`.
+    Args:
+        value: None, "none", "fp16", "powersgd", "powersgd:<rank>", "topk", "topk:<density>", a
+            `Compressor` or a `horovod.tensorflow.Compression`.
+
+    Returns:
+        The Horovod compression (None with a `Compressor`), and the `Compressor` (or None).
     """
     if isinstance(value, Compressor):
         return None, value

@@ -12,9 +12,16 @@ allreduce happens. Either way ranks exchange gradients once per k steps, and k m
 size B give the update of one batch of size k*B.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import tensorflow as tf
 
 from tfdist.keras_flavour import keras_module
+
+if TYPE_CHECKING:
+    from keras.optimizers import Optimizer
 
 keras = keras_module()
 _accumulating_classes = {}
@@ -60,8 +67,27 @@ def _accumulating_class(optimizer_class):
     return _accumulating_classes[optimizer_class]
 
 
-def accumulate_gradients(optimizer, steps):
-    """A copy of `optimizer` that updates once every `steps` micro-batches (mean gradient)."""
+def accumulate_gradients(optimizer: Optimizer, steps: int) -> Optimizer:
+    """A copy of `optimizer` that updates once every `steps` micro-batches (mean gradient).
+
+    Args:
+        optimizer: a Keras optimizer; its config (not its state) is copied.
+        steps: micro-batches per update, at least 2.
+
+    Returns:
+        A new optimizer of `optimizer`'s class (Keras 3: with `gradient_accumulation_steps`;
+            tf-keras: an accumulating subclass).
+
+    Raises:
+        ValueError: `steps` is below 2.
+
+    Example:
+        ```python
+        import keras
+        from tfdist.optimizers import accumulate_gradients
+        optimizer = accumulate_gradients(keras.optimizers.SGD(0.1, momentum=0.9), steps=4)
+        ```
+    """
     if int(steps) < 2:
         raise ValueError(f"accumulate_gradients: steps={steps} must be an integer >= 2")
     config = optimizer.get_config()

@@ -25,16 +25,38 @@ It acts in the optimizer's update step, i.e. on the all-reduced gradient, so und
 `HorovodStrategy` it sees the same global gradient as a single process would.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 import tensorflow as tf
 
 from tfdist.keras_flavour import keras_module
+
+if TYPE_CHECKING:
+    from keras.optimizers import Optimizer
+    from keras.optimizers.schedules import LearningRateSchedule
 
 keras = keras_module()
 DEFAULT_EXCLUDE = ("bias", "beta", "gamma", "batch_norm", "batchnorm", "layer_norm", "layernorm")
 
 
-def lars_direction(w, g, weight_decay, eta, epsilon, adapt):
-    """The LARS update direction (before momentum and learning rate) for one variable."""
+def lars_direction(w: tf.Tensor, g: tf.Tensor, weight_decay: tf.Tensor | float, eta: tf.Tensor | float,
+                   epsilon: tf.Tensor | float, adapt: bool) -> tf.Tensor:
+    """The LARS update direction (before momentum and learning rate) for one variable.
+
+    Args:
+        w: the variable's value.
+        g: its gradient.
+        weight_decay: the L2 weight decay.
+        eta: the trust coefficient.
+        epsilon: added to the trust ratio's denominator.
+        adapt: apply the trust ratio and weight decay; False returns `g`.
+
+    Returns:
+        `trust * (g + weight_decay * w)` (trust 1 if `w` or `g` is 0), or `g`.
+    """
     if not adapt:
         return g
     w_norm = tf.norm(w)
@@ -61,7 +83,8 @@ class _LarsMixin:
         self.epsilon = float(epsilon)
         self.exclude_from_adaptation = tuple(exclude_from_adaptation)
 
-    def adapts(self, variable):
+    def adapts(self, variable: Any) -> bool:
+        """Whether `variable` gets the trust ratio (its path contains no `exclude_from_adaptation`)."""
         path = _variable_path(variable)
         return not any(pattern in path for pattern in self.exclude_from_adaptation)
 
@@ -86,17 +109,13 @@ class _LarsMixin:
         }
 
 
+# The Keras flavours differ in the optimizer API; `LARS` below adds the one constructor to either.
 if keras.__name__ == "tf_keras":
 
-    @keras.saving.register_keras_serializable(package="tfdist")
-    class LARS(_LarsMixin, keras.optimizers.Optimizer):
-        __doc__ = __doc__
-
-        def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay=1e-4, eta=0.001, epsilon=1e-9,
-                     exclude_from_adaptation=DEFAULT_EXCLUDE, name="LARS", **kwargs):
+    class _LarsOptimizer(_LarsMixin, keras.optimizers.Optimizer):
+        def _init_optimizer(self, learning_rate, name, **kwargs):
             super().__init__(name=name, **kwargs)
             self._learning_rate = self._build_learning_rate(learning_rate)
-            self._init_lars(momentum, weight_decay, eta, epsilon, exclude_from_adaptation)
 
         def build(self, var_list):
             super().build(var_list)
@@ -117,15 +136,10 @@ if keras.__name__ == "tf_keras":
 
 else:  # Keras 3
 
-    @keras.saving.register_keras_serializable(package="tfdist")
-    class LARS(_LarsMixin, keras.optimizers.Optimizer):
-        __doc__ = __doc__
-
-        def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay=1e-4, eta=0.001, epsilon=1e-9,
-                     exclude_from_adaptation=DEFAULT_EXCLUDE, name="LARS", **kwargs):
+    class _LarsOptimizer(_LarsMixin, keras.optimizers.Optimizer):
+        def _init_optimizer(self, learning_rate, name, **kwargs):
             # weight decay is part of the LARS update, not Keras' decoupled decay
             super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-            self._init_lars(momentum, weight_decay, eta, epsilon, exclude_from_adaptation)
 
         def build(self, var_list):
             if self.built:
@@ -141,6 +155,48 @@ else:  # Keras 3
             config = super().get_config()
             config.update(self._lars_config())
             return config
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class LARS(_LarsOptimizer):
+    """LARS: momentum SGD with a layer-wise trust ratio (You, Gitman, Ginsburg 2017).
+
+    For each variable w with gradient g (a "layer"):
+
+        trust    = eta * ||w|| / (||g|| + weight_decay * ||w|| + epsilon)   (1 if ||w|| or ||g|| is 0)
+        velocity = momentum * velocity + learning_rate * trust * (g + weight_decay * w)
+        w        = w - velocity
+
+    Variables whose path contains one of `exclude_from_adaptation` get plain momentum updates:
+    trust 1, no weight decay. Registered for Keras serialisation (`tfdist>LARS`).
+
+    Args:
+        learning_rate: a float or a Keras `LearningRateSchedule` (e.g. `WarmupSchedule`).
+        momentum: the velocity's decay.
+        weight_decay: L2 weight decay, part of the LARS update (Keras' decoupled weight decay
+            stays off).
+        eta: the trust coefficient.
+        epsilon: added to the trust ratio's denominator.
+        exclude_from_adaptation: lower-case substrings of variable paths that get plain
+            momentum updates; default: biases and BatchNorm/LayerNorm parameters.
+        name: the optimizer's name.
+        **kwargs: other Keras optimizer arguments (`clipnorm`, `global_clipnorm`, ...).
+
+    Example:
+        ```python
+        from tfdist.callbacks import WarmupSchedule, polynomial_decay
+        from tfdist.optimizers import LARS
+        schedule = WarmupSchedule(polynomial_decay(9.0, total_steps=10_000), warmup_steps=500)
+        optimizer = LARS(schedule, momentum=0.9, weight_decay=5e-4)
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+        ```
+    """
+
+    def __init__(self, learning_rate: float | LearningRateSchedule = 0.1, momentum: float = 0.9,
+                 weight_decay: float = 1e-4, eta: float = 0.001, epsilon: float = 1e-9,
+                 exclude_from_adaptation: Iterable[str] = DEFAULT_EXCLUDE, name: str = "LARS", **kwargs: Any):
+        self._init_optimizer(learning_rate, name, **kwargs)
+        self._init_lars(momentum, weight_decay, eta, epsilon, exclude_from_adaptation)
 
 
 LARC_MODES = ("clip", "scale")
@@ -196,13 +252,39 @@ def _larc_class(optimizer_class):
     return _larc_classes[optimizer_class]
 
 
-def LARC(inner_optimizer, trust_coefficient=0.02, mode="clip", weight_decay=0.0, epsilon=1e-8,
-         exclude_from_adaptation=DEFAULT_EXCLUDE):
+def LARC(inner_optimizer: Optimizer, trust_coefficient: float = 0.02, mode: str = "clip",
+         weight_decay: float = 0.0, epsilon: float = 1e-8,
+         exclude_from_adaptation: Iterable[str] = DEFAULT_EXCLUDE) -> Optimizer:
     """A copy of `inner_optimizer` (same class and config) whose updates use LARC's layer-wise rate.
 
-    Give weight decay to LARC, not to the inner optimizer. The result is a subclass of the inner
-    optimizer's class; it is not registered for Keras serialisation, so save weights or
-    checkpoints (the optimizer state is saved as usual) rather than the compiled model.
+    Each gradient becomes `(g + weight_decay * w) * rate`, with
+    `rate = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + epsilon)` ("scale"), or
+    `min(rate / learning_rate, 1)` ("clip"). Give weight decay to LARC, not to the inner
+    optimizer. The result is a subclass of the inner optimizer's class; it is not registered for
+    Keras serialisation, so save weights or checkpoints (the optimizer state is saved as usual)
+    rather than the compiled model.
+
+    Args:
+        inner_optimizer: any Keras optimizer; its config (not its state) is copied.
+        trust_coefficient: the trust coefficient.
+        mode: "clip" (a layer's effective rate never exceeds the global one) or "scale".
+        weight_decay: L2 weight decay, added to each gradient before the rate.
+        epsilon: added to the rate's denominator.
+        exclude_from_adaptation: lower-case substrings of variable paths whose gradients pass
+            unchanged; default: biases and BatchNorm/LayerNorm parameters.
+
+    Returns:
+        The new optimizer.
+
+    Raises:
+        ValueError: `mode` is neither.
+
+    Example:
+        ```python
+        import keras
+        from tfdist.optimizers import LARC
+        optimizer = LARC(keras.optimizers.SGD(0.1, momentum=0.9), mode="clip", weight_decay=5e-4)
+        ```
     """
     optimizer = _larc_class(type(inner_optimizer)).from_config(inner_optimizer.get_config())
     optimizer._init_larc(trust_coefficient, mode, weight_decay, epsilon, exclude_from_adaptation)

@@ -1,10 +1,10 @@
 """Emulated multi-host benchmark: tfdist bucketed and one-collective, Horovod's loop and MWMS, on shaped links.
 
-    .venv/bin/python scripts/multihost_benchmark.py --rate_gbit 1 --model resnet50 --batch_size 8 \\
+    .venv/bin/python scripts/benchmarks/multihost_benchmark.py --rate_gbit 1 --model resnet50 --batch_size 8 \\
         --modes bucketed one-collective horovod mwms --bucket_mb 25 --repeats 2 --steps 5 \\
         --timeline bucketed --out docs/benchmarks/multihost-2026-11-23-resnet50-1gbit
 
-Two (--hosts) network namespaces on a veth pair shaped with tc (scripts/emulate_hosts.py), one
+Two (--hosts) network namespaces on a veth pair shaped with tc (tests/emulate_hosts.py), one
 rank per host started with `ip netns exec` and an srun step's SLURM_* variables, so tfdist's
 `launch.prepare()` runs the Gloo rendezvous over the namespace addresses (mwms gets TF_CONFIG with
 the host names). Every mode, and the 1-rank baseline, runs each rank on one core of its own
@@ -21,7 +21,7 @@ communication = step - step of the 1-rank baseline, efficiency = baseline / step
 `tfdist-predict`'s step for the same inputs (baseline step, gradient bytes, link) with its error.
 Writes <out>.json (every step of every rank of every run, the link as measured, the command,
 `lscpu`'s model) and <out>.md (the table); with --timeline, a Horovod timeline of one extra run of
-that mode and its overlap evidence (scripts/multihost/timeline_overlap.py).
+that mode and its overlap evidence (scripts/benchmarks/multihost/timeline_overlap.py).
 """
 
 import argparse
@@ -36,13 +36,13 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-sys.path.insert(0, os.path.join(ROOT, "scripts", "multihost"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # emulate_hosts: one implementation, shared with the tests
+sys.path.insert(0, os.path.join(ROOT, "scripts", "benchmarks", "multihost"))
 import emulate_hosts  # noqa: E402
 import timeline_overlap  # noqa: E402
 
-WORKER = os.path.join(ROOT, "scripts", "multihost", "worker.py")
+WORKER = os.path.join(ROOT, "scripts", "benchmarks", "multihost", "worker.py")
 THREADS = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2", "TF_ENABLE_ONEDNN_OPTS": "1"}
 
 

@@ -1,6 +1,6 @@
 """A wide MLP whose gradients (about 134 MB in float32) make communication, not compute, the cost.
 
-    tfdist-benchmark --model mlp:wide_mlp --image_size 32     # with scripts/multihost on sys.path
+    tfdist-benchmark --model mlp:wide_mlp --image_size 32     # with scripts/benchmarks/multihost on sys.path
 
 Input: the synthetic images flattened (32x32x3 = 3,072 values); `depth` dense layers of `width`
 units with ReLU, then the logits. Defaults: 7 x 2,048 = 33.5 M parameters. TFDIST_MLP_WIDTH and

@@ -1,6 +1,6 @@
 """Write scikit-learn's 8x8 handwritten digits as an image TFRecord dataset (train/ and test/).
 
-    python scripts/make_digits_dataset.py /tmp/digits
+    python scripts/examples/make_digits_dataset.py /tmp/digits
     horovodrun -np 2 --gloo tfdist-benchmark --model mnist_cnn --image_size 32 --num_classes 10 \\
         --data_dir /tmp/digits/train --eval_dir /tmp/digits/test --epochs 30 --target_accuracy 0.9
 

@@ -1,8 +1,8 @@
 """Emulated hosts on one machine: network namespaces on a veth pair or a bridge, links shaped with tc.
 
     # two "hosts" on a 1 Gbit/s link; run a command in each, then remove everything
-    .venv/bin/python scripts/emulate_hosts.py --hosts 2 --rate_gbit 1 --measure
-    .venv/bin/python scripts/emulate_hosts.py --cleanup      # namespaces left by a killed run
+    .venv/bin/python tests/emulate_hosts.py --hosts 2 --rate_gbit 1 --measure
+    .venv/bin/python tests/emulate_hosts.py --cleanup      # namespaces left by a killed run
 
 ```python
 from emulate_hosts import Link, NetworkNamespaces

@@ -1,6 +1,6 @@
 """Measure the input pipeline alone (no model): records/s and images/s, naive vs tuned vs cached.
 
-    python scripts/pipeline_benchmark.py --workdir /tmp/tfdist-bench --json pipeline.json
+    python scripts/benchmarks/pipeline_benchmark.py --workdir /tmp/tfdist-bench --json pipeline.json
 
 Datasets (generated once into --workdir, reused afterwards):
   jpeg:   ImageNet-like JPEGs (about 400x350, about 110 KB each) in TFRecord shards; every record is
@@ -27,7 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tfdist.pipelines import preprocessing, read_dataset, write_arrays, write_examples  # noqa: E402
 from tfdist.pipelines import manifest as manifest_lib  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Accuracy beside speed: the digits task trained on 2 ranks with each gradient compression.
 
-    python scripts/make_digits_dataset.py /tmp/digits
-    .venv/bin/python scripts/compression_accuracy.py --data /tmp/digits --methods none powersgd:4 topk:0.01 \\
+    python scripts/examples/make_digits_dataset.py /tmp/digits
+    .venv/bin/python scripts/benchmarks/compression_accuracy.py --data /tmp/digits --methods none powersgd:4 topk:0.01 \\
         --repeats 2 --epochs 20 --target 0.9 --out docs/benchmarks/compression-accuracy-2026-11-24
 
 Each run is `horovodrun -np 2 --gloo tfdist-benchmark --model mnist_cnn ... --epochs N
@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 
 
@@ -65,7 +65,7 @@ def table(runs, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="scripts/make_digits_dataset.py's output (train/, test/)")
+    parser.add_argument("--data", required=True, help="scripts/examples/make_digits_dataset.py's output (train/, test/)")
     parser.add_argument("--methods", nargs="+", default=["none", "powersgd:4", "topk:0.01"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=20)

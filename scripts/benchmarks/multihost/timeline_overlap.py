@@ -1,6 +1,6 @@
 """Read a Horovod timeline and print, per step, whether the gradient allreduces overlapped backprop.
 
-    .venv/bin/python scripts/multihost/timeline_overlap.py timeline.json --compute_ms 1650
+    .venv/bin/python scripts/benchmarks/multihost/timeline_overlap.py timeline.json --compute_ms 1650
 
 A Horovod timeline (HOROVOD_TIMELINE, written by rank 0) has one row per collective, named after
 it (tfdist's: `tfdist_allreduce_<k>/HorovodGroupedAllreduce.float32_<i>of<n>`), with, per

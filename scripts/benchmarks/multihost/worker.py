@@ -1,8 +1,8 @@
 """One rank of an emulated multi-host benchmark run: train N steps in one mode, write step times.
 
-    # started by scripts/multihost_benchmark.py in each host namespace, with an srun step's SLURM_*
+    # started by scripts/benchmarks/multihost_benchmark.py in each host namespace, with an srun step's SLURM_*
     # variables (tfdist, horovod) or TF_CONFIG (mwms):
-    python scripts/multihost/worker.py --mode tfdist --bucket_mb 25 --model resnet50 --batch_size 8 \\
+    python scripts/benchmarks/multihost/worker.py --mode tfdist --bucket_mb 25 --model resnet50 --batch_size 8 \\
         --steps 5 --out /tmp/run1
 
 Modes, all on tf-keras (or Keras 3 with --keras keras3) and the same model:
