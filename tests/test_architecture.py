@@ -216,3 +216,9 @@ def test_launch_and_tuning_load_without_tensorflow():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_readme_is_a_short_guide():
+    # The reference lives in docs/ (built by tests/test_docs_site.py); the README stays a guide.
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move reference material into docs/"
