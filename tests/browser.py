@@ -16,7 +16,6 @@ import html
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-BIN = Path(sys.executable).parent
+from conftest import BIN, free_port
+
 # Headless, as root in a container (no sandbox), no GPU, no first-run or network side trips.
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
          "--disable-extensions", "--disable-background-networking", "--hide-scrollbars", "--mute-audio"]
@@ -52,16 +52,10 @@ def chromium_or_skip():
     return binary
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def tensorboard(log_dir, timeout=90):
     """Run TensorBoard on 127.0.0.1 on a free port; yields its base URL once it answers."""
-    port = _free_port()
+    port = free_port()
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([str(BIN / "tensorboard"), "--logdir", str(log_dir), "--host", "127.0.0.1",
                              "--port", str(port), "--load_fast", "false"], stdout=log, stderr=subprocess.STDOUT)

@@ -3,8 +3,10 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,7 @@ def run_job(args, out_dir, np=2, env=None, timeout=420, launcher="horovodrun"):
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, *map(str, args), "--out", str(out_dir)]
-    job_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **(env or {})}
+    job_env = make_job_env(env)
     if np is not None and launcher == "horovodrun":
         command = [str(BIN / "horovodrun"), "-np", str(np), "--gloo", *command]
     elif np is not None and launcher == "mpirun":
@@ -56,28 +58,147 @@ def run_job(args, out_dir, np=2, env=None, timeout=420, launcher="horovodrun"):
         command, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        if launcher != "horovodrun":  # mpirun gives each rank its own process group: it stops them
-            proc.terminate()
-            try:
-                proc.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    # mpirun gives each rank its own process group: given time, it stops them itself
+    output, _, timed_out = communicate_or_kill(proc, timeout, grace=20 if launcher != "horovodrun" else 0)
+    if timed_out:
         raise JobFailed(f"job timed out after {timeout}s: {' '.join(command)}\n{_tail(output)}")
     if proc.returncode != 0:
         raise JobFailed(f"job failed ({proc.returncode}): {' '.join(command)}\n{_tail(output)}")
-    results = {}
-    for path in sorted(out_dir.glob("rank*.json")):
-        results[int(path.stem[4:])] = json.loads(path.read_text())
+    results = read_results(out_dir)
     expected = np or 1
     if len(results) != expected:
         raise JobFailed(f"expected {expected} result files, got {sorted(results)}\n{_tail(output)}")
     return results
+
+
+def make_job_env(extra=None):
+    """os.environ for a job's processes: TensorFlow's C++ log quiet and tfdist imported from this
+    checkout, then `extra`, where a None value removes the variable."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **(extra or {})}
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def read_results(out_dir):
+    """{rank: results} from the rank<R>.json files the workers wrote in `out_dir`."""
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))}
+
+
+def python_results(code, *args, env=None, timeout=300):
+    """Run `python -c CODE ARGS` from the checkout with make_job_env(env); asserts that it exits 0
+    having printed lines `RESULT <text>`, and returns their texts."""
+    out = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=make_job_env(env),
+                         capture_output=True, text=True, timeout=timeout)
+    lines = [line[len("RESULT "):] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    return lines
+
+
+def free_ports(n=1, host="127.0.0.1"):
+    """`n` ports free on `host` (held together while chosen, so they differ)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port(host="127.0.0.1"):
+    return free_ports(1, host)[0]
+
+
+# --- ending the processes of a job (each started with start_new_session=True) -------------------
+
+def kill_group(proc, grace=0):
+    """End `proc` and its process group if it still runs: with `grace`, SIGTERM first and that many
+    seconds to stop (mpirun stops its ranks, each in a process group of its own, only so), then
+    SIGKILL to the group. Reaps it (what it wrote to a pipe stays for `proc.communicate()`).
+    Returns whether it was still running."""
+    if proc.poll() is not None:
+        return False
+    if grace:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    return True
+
+
+def communicate_or_kill(proc, timeout, grace=0):
+    """`proc.communicate()` for at most `timeout` seconds, then `kill_group(proc, grace)`.
+    Returns (stdout, stderr, timed_out): all it wrote, also when it was killed."""
+    try:
+        return (*proc.communicate(timeout=timeout), False)
+    except subprocess.TimeoutExpired:
+        kill_group(proc, grace)
+        return (*proc.communicate(), True)
+
+
+def wait_or_kill(procs, timeout, fail_fast=False):
+    """Wait for every process of a job (one per host or rank) to exit, for at most `timeout`
+    seconds, and with `fail_fast` only until one fails (the others would wait for it in a
+    collective); then `kill_group` each one still running. Returns the indices of those killed."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if fail_fast and any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        killed = [i for i, p in enumerate(procs) if kill_group(p)]
+    return killed
+
+
+# --- signalling a rank of a tests/multirank/watchdog_checks.py job -------------------------------
+
+WATCHDOG_WORKER = ROOT / "tests" / "multirank" / "watchdog_checks.py"
+EXIT_LIMIT_S = 60  # how soon after rank 1 dies the watchdog must have stopped rank 0
+
+
+def wait_ready(out, ranks=(0, 1), timeout=180, procs=()):
+    """The pids the watchdog worker's ranks write to OUT/ready<R> once training (step 20); None if
+    they do not within `timeout` seconds or one of `procs` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [out / f"ready{r}" for r in ranks]
+        if all(f.exists() for f in files):
+            return [int(f.read_text()) for f in files]
+        if any(p.poll() is not None for p in procs):
+            return None
+        time.sleep(0.1)
+    return None
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def wait_exit(pid, timeout):
+    """Seconds until process `pid` (not necessarily a child) has exited, or `timeout` has passed."""
+    start = time.monotonic()
+    while _alive(pid) and time.monotonic() - start < timeout:
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def signal_rank(out, procs, sig, logs):
+    """Once both ranks of a watchdog worker job writing to `out` train, send `sig` to rank 1; returns
+    (pids, seconds from then until rank 0 exited, at most EXIT_LIMIT_S + 10). `logs`: the job's log
+    files, shown should the ranks never get ready."""
+    pids = wait_ready(out, procs=procs)
+    assert pids, "".join(Path(log).read_text()[-3000:] for log in logs)
+    os.kill(pids[1], sig)
+    return pids, wait_exit(pids[0], EXIT_LIMIT_S + 10)
 
 
 def _tail(output, lines=80):

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from conftest import free_ports
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "salloc", "scontrol", "sinfo", "scancel")
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE"}
@@ -43,12 +45,6 @@ def unavailable_reason():
         return (f"Slurm/munge binaries missing: {', '.join(missing)} (Debian: apt-get install "
                 "slurm-wlm munge, as scripts/bootstrap.sh --with-slurm does)")
     return None
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def memory_mb():
@@ -111,7 +107,7 @@ class SlurmCluster:
 
     def _write_conf(self):
         d = self.dir
-        self.ctld_port, self.slurmd_port = free_port(), free_port()
+        self.ctld_port, self.slurmd_port = free_ports(2, "")  # the daemons listen on every address
         self.conf = d / "slurm.conf"
         self.conf.write_text(f"""\
 ClusterName=tfdisttest

@@ -17,18 +17,14 @@ files. MWMS's behaviour is the contract: where HorovodStrategy differs, the test
 """
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, JobFailed, _tail, flavor_env, run_job
+from conftest import ROOT, JobFailed, _tail, flavor_env, free_ports, make_job_env, read_results, run_job, wait_or_kill
 
 CHECKS = ROOT / "tests" / "multirank" / "conformance_checks.py"
 pytestmark = pytest.mark.multirank
@@ -40,27 +36,15 @@ _cache = {}
 
 
 # --- launching ---------------------------------------------------------------------------------
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("localhost", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def run_mwms(out_dir, env, workers=2, timeout=TIMEOUT):
     """`workers` plain processes under MultiWorkerMirroredStrategy on loopback; {worker: results}."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    ports = _free_ports(workers)
+    ports = free_ports(workers, "localhost")
     cluster = {"worker": [f"localhost:{port}" for port in ports]}
     procs, logs = [], []
     for index in range(workers):
         tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        job_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **env,
-                   "TF_CONFIG": tf_config}
+        job_env = make_job_env({**env, "TF_CONFIG": tf_config})
         log = open(out_dir / f"worker{index}.log", "w+")
         logs.append(log)
         procs.append(subprocess.Popen(
@@ -74,23 +58,16 @@ def run_mwms(out_dir, env, workers=2, timeout=TIMEOUT):
             text.append(f"--- worker {index} ---\n{_tail(log.read())}")
         return "\n".join(text)
 
-    deadline = time.time() + timeout
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if failed or time.time() > deadline:
-                # a worker that failed leaves the others waiting in a collective: stop them all
-                for p in procs:
-                    if p.poll() is None:
-                        os.killpg(p.pid, signal.SIGKILL)
-                for p in procs:
-                    p.wait()
-                why = f"worker(s) {failed} failed" if failed else f"timed out after {timeout}s"
-                raise JobFailed(f"MWMS job {why}\n{output()}")
-            time.sleep(0.2)
+        # a worker that failed leaves the others waiting in a collective: stop them all
+        killed = wait_or_kill(procs, timeout, fail_fast=True)
+        if killed:
+            failed = [i for i, p in enumerate(procs) if i not in killed and p.returncode]
+            why = f"worker(s) {failed} failed" if failed else f"timed out after {timeout}s"
+            raise JobFailed(f"MWMS job {why}\n{output()}")
         if any(p.returncode for p in procs):
             raise JobFailed(f"MWMS job failed: exit codes {[p.returncode for p in procs]}\n{output()}")
-        results = {int(path.stem[4:]): json.loads(path.read_text()) for path in out_dir.glob("rank*.json")}
+        results = read_results(out_dir)
         if sorted(results) != list(range(workers)):
             raise JobFailed(f"expected {workers} result files, got {sorted(results)}\n{output()}")
         return results

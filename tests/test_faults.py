@@ -7,7 +7,6 @@ rendezvous server started here, as under `srun` without --kill-on-bad-exit, wher
 stops the survivors.
 """
 
-import os
 import signal
 import socket
 import subprocess
@@ -18,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BIN, ROOT, flavor_env, run_job
+from conftest import (BIN, EXIT_LIMIT_S, ROOT, WATCHDOG_WORKER, flavor_env, kill_group, make_job_env, run_job,
+                      signal_rank, wait_ready)
 
 WORKERS = Path(__file__).parent / "multirank"
-WATCHDOG_WORKER = WORKERS / "watchdog_checks.py"
-EXIT_LIMIT_S = 60
 HOST = socket.gethostname()
 # The two lines of the error rank 1 raises in watchdog_checks.py's "raise" mode.
 FIRST_LINE = "first line: rank 1 fails at step 20"
@@ -32,35 +30,7 @@ NONFINITE = ("NonFiniteLossError: non-finite loss (nan) at epoch 1, batch 5 (ste
 
 
 def _job_env(extra=None):
-    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-            **(extra or {})}
-
-
-def _wait_ready(out, ranks=(0, 1), timeout=180, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = [out / f"ready{r}" for r in ranks]
-        if all(f.exists() for f in files):
-            return [int(f.read_text()) for f in files]
-        if any(p.poll() is not None for p in procs):
-            return None
-        time.sleep(0.1)
-    return None
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-def _wait_exit(pid, timeout):
-    start = time.monotonic()
-    while _alive(pid) and time.monotonic() - start < timeout:
-        time.sleep(0.02)
-    return time.monotonic() - start
+    return make_job_env({"PYTHONUNBUFFERED": "1", **(extra or {})})
 
 
 class Unsupervised:
@@ -76,6 +46,7 @@ class Unsupervised:
         plan = get_host_assignments(parse_hosts(f"localhost:{np}"), np)
         self.server.init(plan)
         common = {k: str(v) for k, v in create_run_env_vars("127.0.0.1", ["lo"], port).items()}
+        self.out = out
         self.logs = [open(out / f"rank{slot.rank}.log", "w") for slot in plan]
         self.procs = [
             subprocess.Popen([sys.executable, *map(str, args), "--out", str(out)], cwd=ROOT,
@@ -90,9 +61,7 @@ class Unsupervised:
 
     def close(self):
         for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_group(proc)
         for log in self.logs:
             log.close()
         self.server.stop()
@@ -137,18 +106,9 @@ def _horovodrun(tmp_path, mode, *extra):
     return proc, tmp_path / "job.log"
 
 
-def _stop(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def test_killed_rank_stops_the_survivor_without_a_launcher(unsupervised):
     job = unsupervised("train")
-    pids = _wait_ready(Path(job.logs[0].name).parent, procs=job.procs)
-    assert pids, job.output(0)[-3000:] + job.output(1)[-3000:]
-    os.kill(pids[1], signal.SIGKILL)
-    seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+    _, seconds = signal_rank(job.out, job.procs, signal.SIGKILL, [log.name for log in job.logs])
     text = _rank0_stopped(job, seconds, "was killed")
     assert "died: its connection closed without a goodbye" in text
     assert job.procs[0].returncode == 3
@@ -156,7 +116,7 @@ def test_killed_rank_stops_the_survivor_without_a_launcher(unsupervised):
 
 def test_rank_raising_stops_the_survivor_without_a_launcher(unsupervised):
     job = unsupervised("raise")
-    assert _wait_ready(Path(job.logs[0].name).parent, ranks=(1,), procs=job.procs)
+    assert wait_ready(job.out, ranks=(1,), procs=job.procs)
     start = time.monotonic()
     job.procs[0].wait(timeout=EXIT_LIMIT_S + 10)
     verdict = _rank0_stopped(job, time.monotonic() - start, "raised")
@@ -176,7 +136,7 @@ def test_rank_raising_under_horovodrun_prints_its_traceback_first(tmp_path):
     try:
         code = proc.wait(timeout=EXIT_LIMIT_S + 120)
     finally:
-        _stop(proc)
+        kill_group(proc)
     text = log_path.read_text()
     rank1 = "\n".join(l.split(":", 1)[1] for l in text.splitlines() if l.startswith("[1]<stderr>:"))
     assert code != 0, text[-3000:]
@@ -192,7 +152,7 @@ def test_rank_raising_under_horovodrun_prints_its_traceback_first(tmp_path):
 
 def test_sys_exit_on_one_rank_stops_the_survivor(unsupervised):
     job = unsupervised("exit")
-    assert _wait_ready(Path(job.logs[0].name).parent, ranks=(1,), procs=job.procs)
+    assert wait_ready(job.out, ranks=(1,), procs=job.procs)
     start = time.monotonic()
     job.procs[0].wait(timeout=EXIT_LIMIT_S + 10)
     verdict = _rank0_stopped(job, time.monotonic() - start, "called sys.exit(3)")
@@ -202,10 +162,7 @@ def test_sys_exit_on_one_rank_stops_the_survivor(unsupervised):
 
 def test_ctrl_c_on_one_rank_stops_the_survivor(unsupervised):
     job = unsupervised("train")
-    pids = _wait_ready(Path(job.logs[0].name).parent, procs=job.procs)
-    assert pids, job.output(0)[-3000:] + job.output(1)[-3000:]
-    os.kill(pids[1], signal.SIGINT)
-    seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+    _, seconds = signal_rank(job.out, job.procs, signal.SIGINT, [log.name for log in job.logs])
     verdict = _rank0_stopped(job, seconds, "got SIGINT")
     assert "failed: KeyboardInterrupt" in verdict, verdict
     assert job.procs[1].wait(timeout=30) != 0
@@ -249,10 +206,8 @@ def test_rank0_that_cannot_listen_fails_every_rank(tmp_path):
 
 def test_stalled_rank_is_named_after_the_timeout(unsupervised):
     job = unsupervised("train", env={"TFDIST_WATCHDOG_TIMEOUT": "5"})
-    pids = _wait_ready(Path(job.logs[0].name).parent, procs=job.procs)
-    assert pids, job.output(0)[-3000:]
-    os.kill(pids[1], signal.SIGSTOP)  # alive but silent, as a hung rank or an unreachable host
-    seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+    # alive but silent, as a hung rank or an unreachable host
+    _, seconds = signal_rank(job.out, job.procs, signal.SIGSTOP, [log.name for log in job.logs])
     text = _rank0_stopped(job, seconds, "was stopped (SIGSTOP)")
     assert "stopped responding: no heartbeat for" in text
     # The watchdog's timeout, well before Gloo's own 30 s. Silence is counted from rank 1's last
@@ -265,13 +220,10 @@ def test_stalled_rank_is_named_after_the_timeout(unsupervised):
 def test_killed_rank_under_horovodrun_names_rank_and_host(tmp_path):
     proc, log_path = _horovodrun(tmp_path, "train")
     try:
-        pids = _wait_ready(tmp_path, procs=[proc])
-        assert pids, log_path.read_text()[-3000:]
-        os.kill(pids[1], signal.SIGKILL)
-        seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+        pids, seconds = signal_rank(tmp_path, [proc], signal.SIGKILL, [log_path])
         proc.wait(timeout=30)
     finally:
-        _stop(proc)
+        kill_group(proc)
     text = log_path.read_text()
     print(f"\nunder horovodrun, rank 0 exited {seconds:.2f} s after rank 1 was killed")
     assert seconds < EXIT_LIMIT_S and proc.returncode != 0

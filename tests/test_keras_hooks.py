@@ -6,13 +6,10 @@ import time, and a broken or installed hook cannot be undone in this one.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, flavor_env
+from conftest import flavor_env, python_results
 
 METRICS, PREDICT, CALLBACKS, PRECISION, QUIET = (
     "global metrics", "predict gathers rows", "chief-only callback writes", "rank-consistent loss scaling",
@@ -62,12 +59,7 @@ print("RESULT " + json.dumps({{"hooks": {{k: _compat.hook_of(v) for k, v in hook
 
 
 def run_child(setup="", flavor="keras3"):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **flavor_env(flavor)}
-    out = subprocess.run([sys.executable, "-c", CHILD.format(setup=setup)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(python_results(CHILD.format(setup=setup), env=flavor_env(flavor))[-1])
 
 
 KERAS3_HOOKS = {

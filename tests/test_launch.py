@@ -1,11 +1,9 @@
 """Launch layer: Slurm environment parsing, the Gloo rendezvous, srun-style jobs (loopback and two
 network namespaces), tfdist-run, and the sbatch templates."""
 
-import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BIN, ROOT, JobFailed, _tail, run_job
+from conftest import (BIN, ROOT, JobFailed, _tail, communicate_or_kill, free_port, make_job_env, read_results,
+                      run_job, wait_or_kill)
 from tfdist.launch import slurm as launch
 from tfdist.launch import rendezvous
 from tfdist.launch import runner as run
@@ -167,12 +166,6 @@ def test_multi_node_host_whose_name_is_loopback_is_refused(monkeypatch):
 
 # ---------------------------------------------------------------- rendezvous (in-process, no Horovod)
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_rendezvous_fails_naming_address_and_port():
     port = free_port()
     topo = launch.slurm_topology(slurm_env(1, 2, "localhost", 1, 0))
@@ -209,27 +202,16 @@ def run_tasks(envs, out_dir, prefixes=None, timeout=JOB_TIMEOUT):
     out_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for i, extra in enumerate(envs):
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **extra}
         command = [*(prefixes[i] if prefixes else []), sys.executable, str(WORKER), "--out", str(out_dir)]
-        log = open(out_dir / f"task{i}.log", "w")
-        procs.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True), log))
-    deadline = time.monotonic() + timeout
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
+        with open(out_dir / f"task{i}.log", "w") as log:
+            procs.append(subprocess.Popen(command, cwd=ROOT, env=make_job_env(extra), stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    if wait_or_kill(procs, timeout):
         raise JobFailed(f"srun-style job timed out after {timeout}s\n{logs(out_dir)}")
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.close()
-    codes = [proc.returncode for proc, _ in procs]
+    codes = [proc.returncode for proc in procs]
     if any(codes):
         raise JobFailed(f"srun-style tasks exited with {codes}\n{logs(out_dir)}")
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))}
+    return read_results(out_dir)
 
 
 def logs(out_dir):
@@ -262,8 +244,7 @@ def test_srun_style_two_tasks_on_loopback(tmp_path, reference):
         assert ranks[r]["horovod_env"]["HOROVOD_GLOO_IFACE"] == "lo"
 
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from emulate_hosts import NetworkNamespaces  # noqa: E402  (one implementation, shared with the benchmarks)
+from emulate_hosts import NetworkNamespaces  # noqa: E402  (tests/emulate_hosts.py, shared with the benchmarks)
 
 
 @pytest.fixture
@@ -348,16 +329,12 @@ def test_tfdist_run_builds_each_launchers_command(monkeypatch):
 
 
 def tfdist_run(*args, timeout=JOB_TIMEOUT, env=None):
-    job_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **(env or {})}
-    job_env = {k: v for k, v in job_env.items() if v is not None}  # env={"X": None} removes X
+    job_env = make_job_env(env)  # env={"X": None} removes X
     job_env.pop("SLURM_JOB_ID", None)
     proc = subprocess.Popen([str(BIN / "tfdist-run"), *map(str, args)], cwd=ROOT, env=job_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    out, err, timed_out = communicate_or_kill(proc, timeout)
+    if timed_out:
         raise JobFailed(f"tfdist-run {' '.join(map(str, args))} timed out after {timeout}s")
     return proc.returncode, out, err
 
@@ -391,7 +368,7 @@ def test_tfdist_run_launches_a_real_two_rank_job(tmp_path, reference):
     code, out, err = tfdist_run("-np", 2, "python", WORKER, "--out", tmp_path)
     assert code == 0, _tail(out + err)
     assert f"tfdist-run: horovodrun: {BIN / 'horovodrun'} -np 2 --gloo {sys.executable}" in err
-    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    ranks = read_results(tmp_path)
     assert_trained_alike(ranks, reference)
     # each rank got its share of the node before Python started: pinned, threads set, in effect
     from tfdist.tuning import plan as tuning
@@ -478,7 +455,7 @@ def test_only_the_chief_prints_progress_and_start_up_lines(tmp_path, flavor):
     assert not [line for line in rank_lines(text, 1, "stderr") if "will be ignored" in line]
     if flavor == "keras3":  # Keras 3 warns that shuffle=True is ignored for a tf.data dataset: once
         assert sum("will be ignored" in line for line in rank_lines(text, 0, "stderr")) == 1, _tail(err)
-    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in (tmp_path / "default").glob("rank*.json")}
+    ranks = read_results(tmp_path / "default")
     assert ranks[0]["tf_cpp_min_log_level"] is None and ranks[1]["tf_cpp_min_log_level"] in ("2", "3")
 
     extra = (["--verbose", 1], {}) if flavor == "keras3" else ([], {"TFDIST_QUIET_RANKS": "0"})

@@ -6,9 +6,11 @@ tests/multirank/mpi_checks.py, which trains with op="average" and with op="adasu
 1-process reference per flavour; one Keras 3 job whose rank 1 is killed.
 """
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,9 +18,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BIN, ROOT, flavor_env, run_job
-from test_faults import EXIT_LIMIT_S, HOST, WATCHDOG_WORKER, _job_env, _stop, _wait_exit, _wait_ready
+from conftest import (BIN, EXIT_LIMIT_S, ROOT, WATCHDOG_WORKER, flavor_env, kill_group, make_job_env, run_job,
+                      signal_rank)
 
+HOST = socket.gethostname()
 WORKER = ROOT / "tests" / "multirank" / "mpi_checks.py"
 LAUNCHERS = {"keras3": "tfdist-run mpirun", "tf_keras": "mpirun"}
 pytestmark = pytest.mark.multirank
@@ -160,30 +163,20 @@ def test_killed_rank_under_mpirun_names_rank_and_host(mpi, tmp_path):
     proc = subprocess.Popen(
         [str(BIN / "tfdist-run"), "--launcher", "mpirun", "-np", "2", sys.executable, str(WATCHDOG_WORKER),
          "--mode", "train", "--out", str(tmp_path)],
-        cwd=ROOT, env=_job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, env=make_job_env({"PYTHONUNBUFFERED": "1"}), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)
     log.close()
     pids = None
     try:
-        pids = _wait_ready(tmp_path, procs=[proc])
-        assert pids, (tmp_path / "job.log").read_text()[-3000:]
-        killed = time.monotonic()
-        os.kill(pids[1], signal.SIGKILL)
-        seconds = _wait_exit(pids[0], EXIT_LIMIT_S + 10)
+        pids, seconds = signal_rank(tmp_path, [proc], signal.SIGKILL, [tmp_path / "job.log"])
+        rank0_exited = time.monotonic()
         proc.wait(timeout=30)
-        job_seconds = time.monotonic() - killed
+        job_seconds = seconds + time.monotonic() - rank0_exited
     finally:
-        if proc.poll() is None:  # let mpirun stop its ranks (each in its own process group)
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        _stop(proc)
+        kill_group(proc, grace=20)  # SIGTERM first: mpirun stops its ranks (each in its own process group)
         for pid in pids or ():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # mpirun's ranks are not in its process group
-            except ProcessLookupError:
-                pass
     text = (tmp_path / "job.log").read_text()
     print(f"\nunder mpirun, rank 0 exited {seconds:.2f} s and mpirun {job_seconds:.2f} s after rank 1 was killed")
     assert seconds < EXIT_LIMIT_S and proc.returncode != 0, text[-3000:]

@@ -102,7 +102,7 @@ def test_shuffled_fit_sees_every_example_once_per_epoch(keras_flavor, tmp_path_f
     assert ranks[0]["shuffled_ids"][0] != sorted(ranks[0]["shuffled_ids"][0])  # it did shuffle
     if keras_flavor == "tf_keras":
         assert ranks[0]["shuffled_ids"][0] != ranks[0]["shuffled_ids"][1]  # anew each epoch
-    # Keras 3 repeats a seeded array shuffle every epoch, in one process too (README, Known limits)
+    # Keras 3 repeats a seeded array shuffle every epoch, in one process too (docs/LIMITS.md)
 
 
 def test_reported_metrics_are_global(keras_flavor, tmp_path_factory):

@@ -8,7 +8,6 @@ and finishes on 2 ranks at the digits accuracy target.
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, flavor_env
+from conftest import ROOT, communicate_or_kill, flavor_env, make_job_env, read_results
 from tfdist.launch import recovery
 from tfdist.launch.recovery import Failure, analyse, decide, plan_ranks
 
@@ -197,19 +196,15 @@ def tfdist_run_job(flags, data, tmp_path, env, epochs, timeout=420):
     out.mkdir()
     command = [sys.executable, "-m", "tfdist.launch.runner", *flags, "python", str(WORKER), "--data", str(data),
                "--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--epochs", str(epochs)]
-    job_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **env}
-    proc = subprocess.Popen(command, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(command, cwd=ROOT, env=make_job_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     started = time.monotonic()
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+    stdout, stderr, timed_out = communicate_or_kill(proc, timeout)
+    if timed_out:
         pytest.fail(f"tfdist-run timed out after {timeout}s\n{stderr[-4000:]}")
     print(f"\n{' '.join(flags)}: {time.monotonic() - started:.1f} s, exit {proc.returncode}")
     print("\n".join(l for l in stderr.splitlines() if l.startswith("tfdist-run:")))
-    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    results = read_results(out)
     logs = {int(p.stem.split("rank")[1]): [tuple(map(int, l.split())) for l in p.read_text().splitlines()]
             for p in out.glob("epochs-rank*.log")}
     return proc.returncode, stdout + stderr, stderr, results, logs, out

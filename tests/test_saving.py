@@ -3,12 +3,10 @@ paths on 2 real ranks, on Keras 3 and tf-keras; and one process, where nothing c
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, flavor_env, run_job
+from conftest import ROOT, flavor_env, python_results, run_job
 
 WORKER = ROOT / "tests" / "multirank" / "saving_checks.py"
 ITERATIONS = 20
@@ -124,12 +122,7 @@ print("RESULT " + json.dumps({"hooks": {k: _compat.hook_of(v) for k, v in hooks.
 
 @pytest.mark.parametrize("flavor", ["keras3", "tf_keras"])
 def test_one_process_hooks_installed_and_saving_untouched(flavor, tmp_path):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **flavor_env(flavor)}
-    out = subprocess.run([sys.executable, "-c", SINGLE_PROCESS, str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT "):])
+    got = json.loads(python_results(SINGLE_PROCESS, tmp_path, env=flavor_env(flavor))[-1])
     assert set(got["hooks"].values()) == {"chief-only saving"}, got["hooks"]
     assert got["active"] is False and got["number"] == 0
     assert got["saved"] == str(tmp_path / "ckpt" / "c-1")
@@ -153,10 +146,6 @@ except tfdist.KerasHookError as e:
     ("import keras; del keras.Model.save_weights", ["Model has no save_weights()", "keras 3."]),
 ])
 def test_a_moved_saving_function_stops_the_strategy_naming_it(setup, names):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **flavor_env("keras3")}
-    out = subprocess.run([sys.executable, "-c", MOVED.format(setup=setup)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    message = python_results(MOVED.format(setup=setup), env=flavor_env("keras3"))[0]
     for words in ["'chief-only saving' hook", *names]:
-        assert words in lines[0], (words, lines[0])
+        assert words in message, (words, message)

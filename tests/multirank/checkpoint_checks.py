@@ -9,12 +9,11 @@ CKPT-reference, results in OUT/reference/). Each rank writes its final weights, 
 state, the epochs it ran and the record ids each epoch fed it.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -104,16 +103,14 @@ def train(strategy, data, ckpt_dir, crash_after=0):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = worker_parser()
     parser.add_argument("--data", required=True)
     parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy(tuning=False)
     if os.environ.get("CHECKPOINT_TEST_REFERENCE"):  # an uninterrupted run first, in its own directory
-        reference = train(strategy, args.data, args.ckpt + "-reference")
-        os.makedirs(os.path.join(args.out, "reference"), exist_ok=True)
-        write_results(os.path.join(args.out, "reference"), strategy.rank, reference)
+        write_results(os.path.join(args.out, "reference"), strategy.rank,
+                      train(strategy, args.data, args.ckpt + "-reference"))
     crash_after = int(os.environ.get("CHECKPOINT_TEST_CRASH_AFTER", "0"))
     write_results(args.out, strategy.rank, train(strategy, args.data, args.ckpt, crash_after))
 

@@ -1,6 +1,8 @@
 """Helpers shared by the multi-rank worker scripts (run under horovodrun, one process per rank)."""
 
+import argparse
 import json
+import logging
 import os
 import sys
 
@@ -21,11 +23,34 @@ def to_jsonable(value):
     return value
 
 
+def worker_parser(reference=False):
+    """The worker's argument parser, holding what every worker takes: `--out DIR`, where each rank
+    writes rank<R>.json; with `reference`, also `--reference`: the one-process reference run."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    if reference:
+        parser.add_argument("--reference", action="store_true")
+    return parser
+
+
 def write_results(out_dir, rank, results):
+    """OUT_DIR/rank<RANK>.json (the folder made if missing), written whole or not at all."""
+    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(to_jsonable(results), f)
     os.replace(path + ".tmp", path)
+
+
+class LogMessages(logging.Handler):
+    """A log handler that keeps the messages of the records at `level` or above in `texts`."""
+
+    def __init__(self, level=logging.INFO):
+        super().__init__(level)
+        self.texts = []
+
+    def emit(self, record):
+        self.texts.append(record.getMessage())
 
 
 def quiet_tensorflow():

@@ -6,13 +6,12 @@ Each rank writes DIR/rank<R>.json; tests/test_compression.py recomputes the comp
 in numpy from both ranks' inputs and compares, and compares the trained weights across ranks.
 """
 
-import argparse
 import os
 import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -159,9 +158,7 @@ def resume_checks(rank, out, results):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = worker_parser().parse_args()
     strategy = tfdist.HorovodStrategy(tuning=False)
     rank = strategy.rank
     results = {"keras": keras.__name__, "size": strategy.size}

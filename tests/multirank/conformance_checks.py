@@ -26,7 +26,6 @@ Debugging: `--only SCENARIO ...` runs a subset; `--batch-convention per_rank` bu
 row-count checks fail).
 """
 
-import argparse
 import json
 import os
 import sys
@@ -34,7 +33,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -550,9 +549,8 @@ SINGLE_SKIPS = ("collectives", "input", "variables")  # one replica: nothing to 
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = worker_parser()
     parser.add_argument("--strategy", choices=("horovod", "mwms", "single"), required=True)
-    parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", help="run only these scenarios (debugging)")
     parser.add_argument("--batch-convention", help="horovod only: HorovodStrategy(batch_convention=...), "
                         "e.g. per_rank, to check that the suite tells the conventions apart")

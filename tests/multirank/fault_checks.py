@@ -15,13 +15,12 @@ Checks (default: jit,mismatch):
     TFDIST_WATCHDOG_TIMEOUT=0, so that HorovodStrategy starts no watchdog of its own.
 """
 
-import argparse
 import os
 import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -165,8 +164,7 @@ CHECKS = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser = worker_parser()
     parser.add_argument("--checks", default="jit,mismatch")
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy()

@@ -7,14 +7,13 @@
 Each rank writes DIR/rank<R>.json; the test compares them.
 """
 
-import argparse
 import glob
 import os
 import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -98,9 +97,7 @@ def loss_scaling(strategy, results):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--reference", action="store_true")
+    parser = worker_parser(reference=True)
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     args = parser.parse_args()
     device = "gpu" if args.device == "gpu" else "/cpu:0"

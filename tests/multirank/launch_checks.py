@@ -8,25 +8,20 @@ Each rank writes DIR/rank<R>.json with its topology, the HOROVOD_* variables it 
 final weights; tests/test_launch.py compares the ranks with each other and with the reference.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_results  # noqa: E402
+from common import keras_module, worker_parser, write_results  # noqa: E402
 from train_checks import PER_RANK_BATCH, RANKS, STEPS, build_model, loss_fn, make_data  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist.keras_flavour import keras_module  # noqa: E402
 
 keras = keras_module()
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--reference", action="store_true")
-    args = parser.parse_args()
+    args = worker_parser(reference=True).parse_args()
     strategy = tfdist.HorovodStrategy(tuning=False)
     hvd = tfdist.collectives.horovod()
     rank, size = strategy.rank, strategy.size

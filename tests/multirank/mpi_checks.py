@@ -11,12 +11,11 @@ metric, and (not with --reference) one Adasum exchange (this rank's unscaled loc
 the exchanged ones) and the losses of a short Adasum fit. tests/test_mpi.py compares them.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -24,7 +23,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist.keras_flavour import keras_module  # noqa: E402
 from train_checks import PER_RANK_BATCH, RANKS, STEPS, build_model, loss_fn, make_data  # noqa: E402
 
 keras = keras_module()
@@ -107,10 +105,7 @@ def adasum_fit(strategy):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--reference", action="store_true")
-    args = parser.parse_args()
+    args = worker_parser(reference=True).parse_args()
     strategy = tfdist.HorovodStrategy(tuning=False)
     results = {"launch": launch_info(strategy), "average": average_fit(strategy)}
     if not args.reference:

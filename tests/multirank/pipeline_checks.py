@@ -7,13 +7,12 @@
 epochs of `steps_per_epoch` steps, recording the ids and the skip report of each epoch.
 """
 
-import argparse
 import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import quiet_tensorflow, write_results  # noqa: E402
+from common import LogMessages, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -40,17 +39,8 @@ def ids_seen(strategy, data_dir, training, batch_size=4):
     return {"ids": ids, "mode": plans[0].mode, "steps": plans[0].steps_per_epoch}
 
 
-class Messages(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.texts = []
-
-    def emit(self, record):
-        self.texts.append(record.getMessage())
-
-
 def skipping_epochs(strategy, data_dir, epochs=2, batch_size=5):
-    plans, messages, logger = [], Messages(), logging.getLogger("tfdist.pipelines")
+    plans, messages, logger = [], LogMessages(), logging.getLogger("tfdist.pipelines")
     logger.addHandler(messages)
     logger.setLevel(logging.INFO)
 
@@ -75,10 +65,9 @@ def skipping_epochs(strategy, data_dir, epochs=2, batch_size=5):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = worker_parser()
     parser.add_argument("--data", nargs="+", default=[])
     parser.add_argument("--corrupt", nargs="+", default=[])
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy()
     results = {}

@@ -6,12 +6,11 @@ Rank 1's third batch holds an inf, so only rank 1's local gradients are non-fini
 Each rank records, after every step, the loss scale and a weight checksum.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -38,9 +37,7 @@ class Record(keras.callbacks.Callback):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = worker_parser().parse_args()
     strategy = tfdist.HorovodStrategy()
     rng = np.random.default_rng(strategy.rank)
     x = rng.normal(size=(STEPS * BATCH, 3)).astype("float32")

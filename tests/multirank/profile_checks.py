@@ -10,13 +10,12 @@ marked with `step_marker` (DIR/loop/rank<R>/). Horovod's timeline is recorded on
 (`horovod={"timeline": "DYNAMIC"}`). Each rank writes DIR/rank<R>.json with what it saw.
 """
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -54,8 +53,7 @@ def dataset(slow):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser = worker_parser()
     parser.add_argument("--slow_rank", type=int, default=None)
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy(horovod={"timeline": "DYNAMIC"})

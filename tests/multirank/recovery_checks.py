@@ -15,13 +15,12 @@ the end writes OUT/rank<r>.json: the launch, size, epochs run, final variables a
 accuracy of the final weights (numpy forward pass on the held-out digits).
 """
 
-import argparse
 import os
 import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -112,10 +111,9 @@ def train(strategy, data, ckpt_dir, epochs, log_path=None):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = worker_parser()
     parser.add_argument("--data", required=True)
     parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy(tuning=False)
@@ -123,9 +121,8 @@ def main():
     if strategy.rank == 0:
         print(f"recovery_checks: launch {restart} on {strategy.size} rank(s); cause: {cause}", flush=True)
     if os.environ.get("RECOVERY_TEST_REFERENCE") and restart == 0:
-        reference = train(strategy, args.data, args.ckpt + "-reference", args.epochs)
-        os.makedirs(os.path.join(args.out, "reference"), exist_ok=True)
-        write_results(os.path.join(args.out, "reference"), strategy.rank, reference)
+        write_results(os.path.join(args.out, "reference"), strategy.rank,
+                      train(strategy, args.data, args.ckpt + "-reference", args.epochs))
     log_path = os.path.join(args.out, f"epochs-rank{strategy.rank}.log")
     write_results(args.out, strategy.rank, train(strategy, args.data, args.ckpt, args.epochs, log_path))
 

@@ -8,14 +8,13 @@ the loads that succeeded and matched what was saved, errors, and the save number
 With --no-watchdog (no channel to the chief) it runs the few checks that still hold then.
 """
 
-import argparse
 import logging
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import LogMessages, keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -29,15 +28,6 @@ from tfdist.keras import chief_saves
 keras = keras_module()
 TF_KERAS = keras.__name__ == "tf_keras"
 ITERATIONS = 20
-
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def barrier(name):
@@ -319,19 +309,18 @@ def check_without_watchdog(shared, rank):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = worker_parser()
     parser.add_argument("--dir", required=True)
-    parser.add_argument("--out", required=True)
     parser.add_argument("--no-watchdog", action="store_true")
     args = parser.parse_args()
-    records = Records()
+    records = LogMessages()
     logger = logging.getLogger("tfdist")
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     strategy = tfdist.HorovodStrategy(tuning=False, watchdog=not args.no_watchdog)
     rank = strategy.rank
     if args.no_watchdog:
-        write_results(args.out, rank, {"checks": check_without_watchdog(args.dir, rank), "log": records.lines})
+        write_results(args.out, rank, {"checks": check_without_watchdog(args.dir, rank), "log": records.texts})
         return
     results = {"numbers": {}}
 
@@ -346,7 +335,7 @@ def main():
     run("chief_only_block", check_chief_only_block, args.dir)
     run("timeout", check_timeout, args.dir, rank)
     run("horovod", check_horovod_style, args.dir, rank)
-    results["log"] = records.lines
+    results["log"] = records.texts
     write_results(args.out, rank, results)
 
 

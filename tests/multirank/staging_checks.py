@@ -8,13 +8,12 @@ $HOROVOD_LOCAL_RANK) and after (local rank from Horovod). `--plain` stages once,
 and names its result file after the local rank.
 """
 
-import argparse
 import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import quiet_tensorflow, write_results  # noqa: E402
+from common import quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -37,10 +36,9 @@ class StagingStats(logging.Handler):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = worker_parser()
     parser.add_argument("--source", required=True)
     parser.add_argument("--local", required=True)
-    parser.add_argument("--out", required=True)
     parser.add_argument("--plain", action="store_true", help="no Horovod")
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()

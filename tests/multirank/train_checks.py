@@ -7,13 +7,12 @@ Each rank writes DIR/rank<R>.json; tests/test_multirank.py compares the files wi
 and with the single-process reference.
 """
 
-import argparse
 import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import LogMessages, keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -327,20 +326,9 @@ def collectives_after_uneven_eager_work(strategy):
     return {"sum": summed.numpy().tolist(), "gather": gathered.numpy().tolist(), "mean": mean.numpy().tolist()}
 
 
-class WarningTexts(logging.Handler):
-    """Collects the texts of the warnings a logger emits."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.texts = []
-
-    def emit(self, record):
-        self.texts.append(record.getMessage())
-
-
 def uneven_batch_warning_checks(strategy, results):
     """fit at global batches 2 ranks do not divide (arrays, tensors, tf.data): what each rank warns."""
-    handler = WarningTexts()
+    handler = LogMessages(logging.WARNING)
     logger = logging.getLogger("tfdist")
     logger.addHandler(handler)
     x, y = make_data("dense", 60)
@@ -358,10 +346,7 @@ def uneven_batch_warning_checks(strategy, results):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--reference", action="store_true")
-    args = parser.parse_args()
+    args = worker_parser(reference=True).parse_args()
     strategy = tfdist.HorovodStrategy()
     results = {"keras": keras.__name__}
     if not args.reference:

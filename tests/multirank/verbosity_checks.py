@@ -8,24 +8,21 @@ dataset with shuffle=True, which makes Keras 3 warn that the argument is ignored
 DIR/rank<R>.json with its TF_CPP_MIN_LOG_LEVEL and the startup record.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_results  # noqa: E402
+from common import keras_module, worker_parser, write_results  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist.keras_flavour import keras_module  # noqa: E402
 
 keras = keras_module()
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser = worker_parser()
     parser.add_argument("--verbose", type=int, help="passed to fit/evaluate/predict (default: not passed)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)

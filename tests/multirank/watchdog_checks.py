@@ -14,13 +14,12 @@ kill or interrupt (SIGINT). Modes:
     both must exit 0.
 """
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, write_results  # noqa: E402
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -56,8 +55,7 @@ class Milestones(keras.callbacks.Callback):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser = worker_parser()
     parser.add_argument("--mode", choices=("train", "raise", "exit", "nonfinite", "finish"),
                         default="train")
     parser.add_argument("--slow_stderr", type=float, default=0.0)
