@@ -41,7 +41,7 @@ if "tensorflow" not in _sys.modules:
 _SUBMODULES = frozenset({
     "benchmark", "callbacks", "cluster_resolver", "collectives", "consistency", "exchange", "gpu",
     "input_contract", "keras", "keras_flavour", "launch", "optimizers", "pipelines", "precision",
-    "rank_variables", "strategy", "tuning", "watchdog",
+    "rank_variables", "strategy", "strategy_options", "tuning", "units", "watchdog",
 })
 
 

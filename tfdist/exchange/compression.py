@@ -82,6 +82,18 @@ class Compressor:
         """The compression setting as `HorovodStrategy(compression=...)` takes it, e.g. "powersgd:4"."""
         return self.name
 
+    def reduce(self, values: Sequence[tf.Tensor], variables: Sequence[Any]) -> list[tf.Tensor]:
+        """The sum over ranks of each gradient in `values` (one per variable in `variables`).
+
+        Args:
+            values: this rank's gradients.
+            variables: the variables they belong to (keys of the error-feedback state).
+
+        Returns:
+            The approximate sums (exact for the tensors sent whole), in `values`' shapes and dtypes.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement reduce()")
+
     def _sum_uncompressed(self, values):
         """(out, plans, compressed): `plan` of each value (None: sent whole), `out` holding the exact
         sums of those sent whole (one grouped allreduce) and None elsewhere, the indices to compress."""
@@ -181,15 +193,7 @@ class PowerSGD(Compressor):
 
     @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
     def reduce(self, values: Sequence[tf.Tensor], variables: Sequence[Any]) -> list[tf.Tensor]:
-        """The sum over ranks of each gradient in `values` (one per variable in `variables`).
-
-        Args:
-            values: this rank's gradients.
-            variables: the variables they belong to (keys of the error-feedback state).
-
-        Returns:
-            The approximate sums (exact for the tensors sent whole), in `values`' shapes and dtypes.
-        """
+        """PowerSGD's sum over ranks of each gradient (see `Compressor.reduce`)."""
         out, plans, low = self._sum_uncompressed(values)
         if not low:
             return out
@@ -262,15 +266,7 @@ class TopK(Compressor):
 
     @tf.autograph.experimental.do_not_convert  # Python loops over tensors and ranks, unrolled
     def reduce(self, values: Sequence[tf.Tensor], variables: Sequence[Any]) -> list[tf.Tensor]:
-        """The sum over ranks of each gradient in `values` (one per variable in `variables`).
-
-        Args:
-            values: this rank's gradients.
-            variables: the variables they belong to (keys of the error-feedback state).
-
-        Returns:
-            The approximate sums (exact for the tensors sent whole), in `values`' shapes and dtypes.
-        """
+        """Top-k's sum over ranks of each gradient (see `Compressor.reduce`)."""
         out, plans, sparse = self._sum_uncompressed(values)
         if not sparse:
             return out
