@@ -14,15 +14,20 @@ print(options.splits_global_batches, options.bucket_bytes)   # False 26214400
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 from typing import Any
 
+from tfdist.tuning import plan as tuning_plan
 from tfdist.units import MB
 
 BATCH_CONVENTIONS = ("global", "per_rank")
 OPS = ("average", "adasum")
-TUNING_OVERRIDES = ("intra_op_threads", "inter_op_threads", "pin", "onednn")
-HOROVOD_KNOBS = ("fusion_threshold_mb", "cycle_time_ms", "timeline", "autotune")
+# What `tuning=` and `horovod=` accept is what the plan takes: make_plan's keyword arguments and
+# the knobs set_horovod_knobs knows.
+TUNING_OVERRIDES = tuple(name for name, p in inspect.signature(tuning_plan.make_plan).parameters.items()
+                         if p.kind is p.KEYWORD_ONLY)
+HOROVOD_KNOBS = tuple(tuning_plan.HOROVOD_KNOBS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -344,7 +344,7 @@ def onednn_active():
     return _compat.onednn_enabled()
 
 
-_HOROVOD_KNOBS = {
+HOROVOD_KNOBS = {
     "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda mb: str(int(mb * MB))),
     "cycle_time_ms": ("HOROVOD_CYCLE_TIME", str),
     "timeline": ("HOROVOD_TIMELINE", str),
@@ -354,11 +354,11 @@ _HOROVOD_KNOBS = {
 
 def set_horovod_knobs(knobs):
     """Set `HorovodStrategy(horovod=...)` knobs as HOROVOD_* variables, unless already set."""
-    unknown = set(knobs) - set(_HOROVOD_KNOBS)
+    unknown = set(knobs) - set(HOROVOD_KNOBS)
     if unknown:
-        raise ValueError(f"unknown horovod option(s) {sorted(unknown)}; expected {sorted(_HOROVOD_KNOBS)}")
+        raise ValueError(f"unknown horovod option(s) {sorted(unknown)}; expected {sorted(HOROVOD_KNOBS)}")
     for key, value in knobs.items():
-        env, convert = _HOROVOD_KNOBS[key]
+        env, convert = HOROVOD_KNOBS[key]
         os.environ.setdefault(env, convert(value))
 
 
