@@ -33,10 +33,8 @@ _REDUCE_OPS = {tf.distribute.ReduceOp.SUM: "sum", tf.distribute.ReduceOp.MEAN: "
 class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
     """The strategy's implementation: OneDevice placement plus Horovod collectives."""
 
-    def __init__(self, container_strategy: tf.distribute.Strategy, device: str,
-                 options: StrategyOptions | None = None) -> None:
+    def __init__(self, container_strategy: tf.distribute.Strategy, device: str, options: StrategyOptions) -> None:
         super().__init__(container_strategy, device)
-        options = options or StrategyOptions.from_arguments(device)
         # What Strategy.cluster_resolver returns: every rank a "worker", task_id = rank.
         self._cluster_resolver = HorovodClusterResolver.for_this_job()
         self._adasum = options.op == "adasum"
