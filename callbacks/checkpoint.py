@@ -199,7 +199,8 @@ class Checkpointer(Callback):
                             keys = sorted(state.files)
                             self._arrays = [state[k] for k in keys if not k.startswith(RANK_STATE)]
                             self._rank_arrays = [state[k] for k in keys if k.startswith(RANK_STATE)]
-                        choice.update(epoch=int(marker["epoch"]), path=path, step=marker.get("step"))
+                        choice.update(epoch=int(marker["epoch"]), path=path, step=marker.get("step"),
+                                      batches_done=int(marker.get("batches_done", 0)))
                 except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
                     choice["error"] = f"reading checkpoints in {self.directory} failed: {type(e).__name__}: {e}"
             self._choice = collectives.broadcast_object(choice, name="tfdist.ckpt.choice")
@@ -227,10 +228,12 @@ class Checkpointer(Callback):
                 value = collectives.broadcast(tf.constant(value), 0, name=f"tfdist.ckpt.{i}")
             variable.assign(value)
         self._restore_rank_state(choice["path"])
-        _compat.set_resume_epoch(self.model, choice["epoch"])
+        batches_done = choice.get("batches_done", 0)
+        _compat.set_resume_epoch(self.model, choice["epoch"], batches_done)
         if rank == 0:  # every rank holds the same state now: one line for the job
-            log.warning("tfdist checkpoint: resumed %d rank(s) from %s (optimizer step %s); continuing at epoch %d",
-                        size, choice["path"], choice.get("step"), choice["epoch"])
+            log.warning("tfdist checkpoint: resumed %d rank(s) from %s (optimizer step %s); continuing at epoch %d%s",
+                        size, choice["path"], choice.get("step"), choice["epoch"],
+                        f", after its first {batches_done} batches" if batches_done else "")
 
     def on_epoch_end(self, epoch, logs=None):
         done = epoch + 1
@@ -246,12 +249,28 @@ class Checkpointer(Callback):
         if self._rank_size[0] == 0:
             self.save(done, rank_state)
 
-    def save(self, epoch: int, rank_state: dict[str, np.ndarray] | None = None) -> str:
+    def save_on_preemption(self, epoch: int, batches_done: int) -> str | None:
+        """Save now, mid-epoch, for a graceful stop (`tfdist.keras.preemption`); every rank calls it.
+
+        Args:
+            epoch: the epoch in progress (0-based), which is also the number of finished epochs.
+            batches_done: its batches already trained; a resumed `fit` skips their data.
+
+        Returns:
+            The checkpoint's path on the chief, None on the other ranks.
+        """
+        rank_state = self._gathered_rank_state()
+        if self._rank_size[0] == 0:
+            return self.save(epoch, rank_state, batches_done)
+        return None
+
+    def save(self, epoch: int, rank_state: dict[str, np.ndarray] | None = None, batches_done: int = 0) -> str:
         """Write checkpoint `ckpt-<epoch>` (`epoch` epochs finished) now, then prune; chief only.
 
         Args:
             epoch: the number of finished epochs.
             rank_state: every rank's gradient-compression state, as `on_epoch_end` gathers it.
+            batches_done: batches of epoch `epoch` already trained (`ckpt-<epoch>-<batches_done>`).
 
         Returns:
             The checkpoint's path.
@@ -263,7 +282,8 @@ class Checkpointer(Callback):
         optimizer = getattr(self.model, "optimizer", None)
         step = int(np.asarray(optimizer.iterations)) if optimizer is not None else None
         path = write_checkpoint(self.directory, epoch, arrays,
-                                {"step": step, "ranks": self._rank_size[1], "variables": len(variables)})
+                                {"step": step, "ranks": self._rank_size[1], "variables": len(variables)},
+                                batches_done)
         prune_checkpoints(self.directory, self.keep)
         recovery.report_progress(epoch, path, step)  # for tfdist-run --max-restarts; no-op otherwise
         log.info("tfdist checkpoint: saved %s", path)

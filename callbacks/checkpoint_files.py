@@ -32,7 +32,7 @@ log = logging.getLogger("tfdist")
 STATE_FILE = "state.npz"
 RANK_STATE = "rank_state_"  # state.npz keys of per-rank state (gradient compression), stacked by rank
 MARKER_FILE = "complete.json"
-_NAME = re.compile(r"ckpt-(\d+)")
+_NAME = re.compile(r"ckpt-(\d+)(?:-(\d+))?")  # ckpt-<epoch>, or ckpt-<epoch>-<batches done> mid-epoch
 
 
 class CheckpointError(TfdistError):
@@ -63,6 +63,9 @@ def checkpoint_problem(path: str, verify_data: bool = True) -> str | None:
     named = _NAME.fullmatch(os.path.basename(path))
     if named and int(named[1]) != epoch:
         return f"{MARKER_FILE} says epoch {epoch}, the directory name says {int(named[1])}"
+    if named and int(named[2] or 0) != int(marker.get("batches_done", 0)):
+        return (f"{MARKER_FILE} says {marker.get('batches_done', 0)} batches done, the directory name says "
+                f"{int(named[2] or 0)}")
     for name, expected in files.items():
         file_path = os.path.join(path, name)
         if not os.path.exists(file_path):
@@ -110,7 +113,8 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> tuple[str, dict[str,
     return None
 
 
-def write_checkpoint(directory: str, epoch: int, arrays: dict[str, np.ndarray], info: dict[str, Any]) -> str:
+def write_checkpoint(directory: str, epoch: int, arrays: dict[str, np.ndarray], info: dict[str, Any],
+                     batches_done: int = 0) -> str:
     """Write `arrays` (name -> numpy array) as checkpoint `ckpt-<epoch>`, atomically; its path.
 
     Args:
@@ -118,19 +122,21 @@ def write_checkpoint(directory: str, epoch: int, arrays: dict[str, np.ndarray], 
         epoch: the number of finished epochs; names the checkpoint.
         arrays: name -> value, saved in `state.npz`.
         info: JSON-able entries for the marker, beside `epoch` and the state file's checksum.
+        batches_done: batches of epoch `epoch` already trained (a stop mid-epoch, on preemption);
+            such a checkpoint is `ckpt-<epoch>-<batches_done>`.
 
     Returns:
         The checkpoint's path.
     """
     os.makedirs(directory, exist_ok=True)
-    name = f"ckpt-{epoch:06d}"
+    name = f"ckpt-{epoch:06d}" + (f"-{batches_done:06d}" if batches_done else "")
     scratch = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=directory)
     state_path = os.path.join(scratch, STATE_FILE)
     with open(state_path, "wb") as f:
         np.savez(f, **arrays)
         f.flush()
         os.fsync(f.fileno())
-    marker = {**info, "epoch": int(epoch), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+    marker = {**info, "epoch": int(epoch), "batches_done": int(batches_done), "time": datetime.datetime.now().isoformat(timespec="seconds"),
               "files": {STATE_FILE: {"bytes": os.path.getsize(state_path), "sha256": _sha256(state_path)}}}
     with open(os.path.join(scratch, MARKER_FILE), "w") as f:
         json.dump(marker, f, indent=1)
@@ -165,8 +171,8 @@ def prune_checkpoints(directory: str, keep: int) -> None:
 
 
 def _checkpoint_dirs(directory):
-    found = [(int(m[1]), e) for e in os.listdir(directory) if (m := _NAME.fullmatch(e))]
-    return [os.path.join(directory, e) for _, e in sorted(found)]
+    found = [(int(m[1]), int(m[2] or 0), e) for e in os.listdir(directory) if (m := _NAME.fullmatch(e))]
+    return [os.path.join(directory, e) for _, _, e in sorted(found)]
 
 
 def _sha256(path):

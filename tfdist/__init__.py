@@ -15,6 +15,7 @@ from tfdist.errors import (
     KerasHookError,
     LaunchError,
     NonFiniteLossError,
+    PreemptionError,
     RankMismatchError,
     SaveSyncError,
     TfdistError,
@@ -40,7 +41,7 @@ if "tensorflow" not in _sys.modules:
 # first use: most import TensorFlow (seconds), which `tfdist-run` and the error classes must not wait for.
 _SUBMODULES = frozenset({
     "benchmark", "callbacks", "cluster_resolver", "collectives", "consistency", "exchange", "gpu",
-    "input_contract", "keras", "keras_flavour", "launch", "optimizers", "pipelines", "precision",
+    "input_contract", "keras", "keras_flavour", "launch", "optimizers", "pipelines", "precision", "preemption",
     "rank_variables", "strategy", "strategy_options", "tuning", "units", "watchdog",
 })
 
@@ -64,6 +65,7 @@ __all__ = [
     "KerasHookError",
     "LaunchError",
     "NonFiniteLossError",
+    "PreemptionError",
     "RankMismatchError",
     "SaveSyncError",
     "TfdistError",

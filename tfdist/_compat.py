@@ -110,6 +110,7 @@ def dataset_graph_def(dataset):
 # --- Keras: the classes tfdist patches ----------------------------------------------------------
 
 KERAS3_SAVE_MODEL = "_save_model"  # ModelCheckpoint / BackupAndRestore method that writes files
+TF_KERAS_BACKUP = "_backup"  # tf-keras BackupAndRestore method that writes its checkpoint (epoch, batch)
 TF_KERAS_SUPPORTED_STRATEGIES = "_supported_strategies"  # tf-keras BackupAndRestore attribute
 
 
@@ -184,6 +185,13 @@ def keras3_callback_classes(hook):
     return tuple(getattr(callbacks, n) for n in names)
 
 
+def tf_keras_model_checkpoint(hook):
+    cls = getattr(_import("tf_keras", hook, "tf_keras").callbacks, "ModelCheckpoint", None)
+    if cls is None:
+        raise hook_error(hook, "tf_keras.callbacks has no ModelCheckpoint", "tf_keras")
+    return cls
+
+
 def tf_keras_backup_and_restore(hook):
     cls = getattr(_import("tf_keras", hook, "tf_keras").callbacks, "BackupAndRestore", None)
     if cls is None:
@@ -234,19 +242,29 @@ def optimizer_built(optimizer):
 class _ResumeCounters:
     """What tf-keras' fit asks for the epoch and step to start at (BackupAndRestore's hook)."""
 
-    def __init__(self, epoch):
-        self.epoch = epoch
+    def __init__(self, epoch, step=0):
+        self.epoch, self.step = epoch, step
 
     def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
-        return self.epoch, 0
+        return self.epoch, self.step
 
 
-def set_resume_epoch(model, epoch):
-    """Make the running `fit` of `model` continue at `epoch` (called from on_train_begin)."""
-    if hasattr(model, "_maybe_load_initial_counters_from_ckpt"):  # tf-keras
-        model._training_state = _ResumeCounters(epoch)
-    else:  # Keras 3
+RESUME_BATCHES = "_tfdist_resume_batches"  # model attribute: batches of the first epoch already trained
+
+
+def set_resume_epoch(model, epoch, batches_done=0):
+    """Make the running `fit` of `model` continue at `epoch`, after `batches_done` of its batches
+    (called from on_train_begin; `tfdist.keras.preemption` skips those batches' data)."""
+    if hasattr(model, "_maybe_load_initial_counters_from_ckpt"):  # tf-keras: its loop starts at that step
+        model._training_state = _ResumeCounters(epoch, batches_done)
+    else:  # Keras 3: every step runs; the first ones only read their data
         model._initial_epoch = epoch
+    setattr(model, RESUME_BATCHES, int(batches_done))
+
+
+def loop_starts_at_resume_step(model):
+    """Whether `fit`'s loop itself starts at the resumed step (tf-keras) rather than at 0 (Keras 3)."""
+    return isinstance(getattr(model, "_training_state", None), _ResumeCounters)
 
 
 def clear_resume_epoch(model, restored):

@@ -55,3 +55,8 @@ class GPUNotFoundError(TfdistError):
 
 class LaunchError(TfdistError):
     """The launch environment is inconsistent, or the rendezvous could not be completed."""
+
+
+class PreemptionError(TfdistError):
+    """A graceful stop could not be agreed on (`tfdist.preemption`): a rank did not acknowledge
+    the stop step, or learned of it too late; or `TFDIST_PREEMPTION_SIGNALS` names no signal."""

@@ -32,7 +32,8 @@ from tfdist import precision as precision_lib
 from tfdist import watchdog as watchdog_lib
 from tfdist.exchange import gradients as gradient_exchange
 from tfdist.keras import callback_writes as keras_callbacks
-from tfdist.keras import chief_saves, recognise
+from tfdist.keras import chief_saves, fit_callbacks, recognise
+from tfdist.keras import preemption as keras_preemption
 from tfdist.keras import metrics as keras_metrics
 from tfdist.keras import predictions as keras_predict
 from tfdist.keras import progress as quiet_ranks
@@ -175,6 +176,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         keras_predict.install()
         keras_callbacks.install()
         chief_saves.install()
+        fit_callbacks.install()
+        keras_preemption.install()  # after keras_callbacks: it wraps BackupAndRestore's chief-only save
         quiet_ranks.install()  # only the chief prints Keras' progress bars and warnings
         if options.fused_batchnorm and not legacy_requested():
             from tfdist.keras import fused_batchnorm as fused_batchnorm_hook

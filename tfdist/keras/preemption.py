@@ -1,0 +1,249 @@
+"""Graceful preemption in Keras `fit`: every rank stops after one agreed step, saves, exits 75.
+
+Installed by `HorovodStrategy()`, in every `fit` of a model under it (`tfdist.keras.fit_callbacks`):
+
+- a SIGTERM or SIGUSR1 to any rank (or to all, as `srun` and `scancel` send it) stops every rank
+  after the same step (`tfdist.preemption.StepAgreement`), never after an epoch's last step (the
+  epoch's end, validation and epoch-end saves run first);
+- there the job's own checkpointing saves: Keras' `BackupAndRestore` (any `save_freq`, both
+  flavours), `tfdist.callbacks.Checkpointer`, `ModelCheckpoint` (by its own rules), and any
+  callback with a `save_on_preemption(epoch, batches_done)` method; with none of them one line
+  says that nothing could be saved;
+- every rank exits with code 75 ("preempted, resumable").
+
+Run again, `fit` continues where it stopped: the restored epoch's first batches are read but not
+trained (so the data order is the uninterrupted run's), on Keras 3 and tf-keras:
+
+```python
+backup = keras.callbacks.BackupAndRestore("/scratch/run1/backup")   # save_freq="epoch" is enough
+model.fit(ds, epochs=90, callbacks=[backup])   # SIGTERM: stops at a step, saves it, exits 75
+```
+
+BackupAndRestore records its position in `<backup_dir>/tfdist_position.json` (epoch and batches
+done), written by the chief after each of its saves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from tfdist import _compat, collectives, preemption
+from tfdist.keras import fit_callbacks
+
+log = logging.getLogger("tfdist")
+
+HOOK = "preemption checkpoints"
+POSITION_FILE = "tfdist_position.json"
+
+_installed = []
+
+
+def install():
+    """Add the preemption callbacks to every tfdist fit; wrap BackupAndRestore's saves to record
+    their position. Raises `KerasHookError` if Keras moved what is wrapped."""
+    if _installed:
+        return
+    _, backup, _ = _compat.keras3_callback_classes(HOOK)
+    _compat.patch_method(backup, _compat.KERAS3_SAVE_MODEL, _recording_position, HOOK)
+    if _compat.tf_keras_in_use():
+        legacy_backup = _compat.tf_keras_backup_and_restore(HOOK)
+        _compat.patch_method(legacy_backup, _compat.TF_KERAS_BACKUP, _recording_position, HOOK, "tf_keras")
+    fit_callbacks.register("first", lambda model: _Position())
+    fit_callbacks.register("last", lambda model: _Stop())
+    _installed.append(True)
+
+
+def _base():
+    from tfdist.keras_flavour import keras_module
+
+    return keras_module().callbacks.Callback
+
+
+def _position_of(model):
+    return getattr(model, "_tfdist_position", None)
+
+
+class _PositionTracker:
+    """Where the running fit is: epoch, batches of it trained, train_function calls in all (the
+    same on every rank: the step count the ranks agree on)."""
+
+    def on_train_begin(self, logs=None):
+        self.epoch, self.batches_done, self.calls = 0, 0, 0
+        self.model._tfdist_position = self
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch, self.batches_done = epoch, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches_done = batch + 1  # the last batch of this call (steps_per_execution)
+        self.calls += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch, self.batches_done = epoch + 1, 0
+
+    def on_train_end(self, logs=None):
+        if getattr(self.model, "_tfdist_position", None) is self:
+            del self.model._tfdist_position
+
+
+def _Position():
+    return type("TfdistFitPosition", (_PositionTracker, _base()), {})()
+
+
+class _StopAtAgreedStep:
+    """Resumes mid-epoch, agrees on the stop step across ranks, saves there and exits."""
+
+    fit_callbacks = ()  # every callback of this fit (set by tfdist.keras.fit_callbacks)
+
+    def on_train_begin(self, logs=None):
+        self._skip = _resume_position(self.model, self.fit_callbacks)
+        if self._skip:
+            _skip_trained_batches(self.model, self._skip)
+        self.agreement = preemption.StepAgreement()
+
+    def on_train_batch_end(self, batch, logs=None):
+        position = _position_of(self.model)
+        if position is None or not self.agreement.stop_after(position.calls, self._ends_epoch):
+            return
+        self.agreement.close()
+        saved = _save_everything(self.model, self.fit_callbacks, position, logs)
+        where = f"epoch {position.epoch + 1}, batch {position.batches_done}"
+        if saved:
+            what = f"saved after {where} by {'; '.join(saved)}"
+        else:
+            what = (f"nothing could be saved after {where}: this fit has no BackupAndRestore, ModelCheckpoint "
+                    "or tfdist Checkpointer, so a new run starts from the beginning")
+        preemption.exit_preempted(what, saved=bool(saved))
+
+    def _ends_epoch(self, calls):
+        """Whether train_function call number `calls` (of the fit) would end its epoch."""
+        position = _position_of(self.model)
+        steps = (self.params or {}).get("steps")
+        if position is None or not steps:
+            return False
+        per_call = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
+        return position.batches_done + (calls - position.calls) * per_call >= steps
+
+    def on_train_end(self, logs=None):
+        self.agreement.close()
+
+
+def _Stop():
+    return type("TfdistPreemptionStop", (_StopAtAgreedStep, _base()), {})()
+
+
+# --- saving at the stop --------------------------------------------------------------------------
+
+def _backup_classes():
+    classes = [_compat.keras3_callback_classes(HOOK)[1]]
+    if _compat.tf_keras_in_use():
+        classes.append(_compat.tf_keras_backup_and_restore(HOOK))
+    return tuple(classes)
+
+
+def _checkpoint_classes():
+    classes = [_compat.keras3_callback_classes(HOOK)[0]]
+    if _compat.tf_keras_in_use():
+        classes.append(_compat.tf_keras_model_checkpoint(HOOK))
+    return tuple(classes)
+
+
+def _save_everything(model, callbacks, position, logs):
+    """Every checkpointing callback of the fit saves the state after this step; what each wrote."""
+    saved = []
+    for callback in callbacks:
+        if isinstance(callback, _backup_classes()):
+            if hasattr(callback, _compat.TF_KERAS_BACKUP):  # tf-keras
+                getattr(callback, _compat.TF_KERAS_BACKUP)(epoch=position.epoch, batch=position.batches_done - 1)
+            else:
+                getattr(callback, _compat.KERAS3_SAVE_MODEL)()
+            saved.append(f"BackupAndRestore ({callback.backup_dir})")
+        elif isinstance(callback, _checkpoint_classes()):
+            getattr(callback, _compat.KERAS3_SAVE_MODEL)(epoch=position.epoch, batch=position.batches_done - 1,
+                                                         logs=dict(logs or {}))
+            saved.append(f"ModelCheckpoint ({callback.filepath})")
+        elif callable(getattr(callback, "save_on_preemption", None)):
+            path = callback.save_on_preemption(position.epoch, position.batches_done)
+            saved.append(f"{type(callback).__name__} ({path or getattr(callback, 'directory', '')})")
+    return saved
+
+
+def _recording_position(method):
+    """BackupAndRestore's save, then (chief) the fit's position beside it; no save while the
+    first batches of a resumed epoch are only read (their weights are the restored ones)."""
+
+    def save(self, *args, **kwargs):
+        position = _position_of(self.model)
+        if position is None:
+            return method(self, *args, **kwargs)
+        if getattr(self.model, _compat.RESUME_BATCHES, 0) > position.batches_done and position.batches_done:
+            return None
+        if hasattr(self, "_current_epoch"):
+            self._current_epoch = position.epoch  # Keras 3 keeps 0 after a resume until an epoch ends
+        result = method(self, *args, **kwargs)
+        if collectives.process_rank() == 0:
+            _write_position(self.backup_dir, position)
+        return result
+
+    save.__name__ = method.__name__
+    return save
+
+
+def _write_position(directory, position):
+    record = {"epoch": position.epoch, "batches_done": position.batches_done}
+    os.makedirs(directory, exist_ok=True)
+    scratch = os.path.join(directory, f".{POSITION_FILE}.tmp")
+    with open(scratch, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(scratch, os.path.join(directory, POSITION_FILE))
+
+
+# --- resuming --------------------------------------------------------------------------------------
+
+def _resume_position(model, callbacks):
+    """Batches of the first epoch to skip: a Checkpointer's (already set on the model) or the
+    position a restored BackupAndRestore recorded; 0 when this fit starts at an epoch's start."""
+    backups = [c for c in callbacks if isinstance(c, _backup_classes())]
+    record = None
+    if backups and collectives.process_rank() == 0:
+        try:
+            with open(os.path.join(backups[0].backup_dir, POSITION_FILE)) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            record = None
+    if backups:
+        record = collectives.broadcast_object(record, name="tfdist.preemption.position")
+    if record and record.get("batches_done"):
+        _compat.set_resume_epoch(model, int(record["epoch"]), int(record["batches_done"]))
+        if collectives.process_rank() == 0:
+            log.warning("%s resuming at epoch %d after its first %d batches (%s)", preemption.MARK,
+                        int(record["epoch"]) + 1, int(record["batches_done"]), backups[0].backup_dir)
+    return int(getattr(model, _compat.RESUME_BATCHES, 0) or 0)
+
+
+def _skip_trained_batches(model, count):
+    """Make the resumed epoch read, without training, the data of its first `count` batches."""
+    original = model.train_function
+    per_call = max(int(getattr(model, "steps_per_execution", 1) or 1), 1)
+    legacy = _compat.loop_starts_at_resume_step(model)
+    remaining = [count]
+
+    def read_only(iterator):
+        if legacy:  # tf-keras starts its step count at `count`: read them all, then train
+            for _ in range(remaining[0]):
+                next(iterator)
+            remaining[0] = 0
+        if remaining[0] <= 0:
+            model.train_function = original
+            setattr(model, _compat.RESUME_BATCHES, 0)
+            return original(iterator)
+        for _ in range(min(per_call, remaining[0])):
+            next(iterator)
+        remaining[0] -= per_call
+        return {}
+
+    model.train_function = read_only
