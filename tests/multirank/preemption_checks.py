@@ -11,6 +11,7 @@ optimizer's counter before and after), its final variables, and which callbacks 
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
@@ -27,27 +28,37 @@ from tfdist.callbacks.checkpoint import training_variables  # noqa: E402
 keras = keras_module()
 LEGACY = keras.__name__.startswith("tf_keras")
 EPOCHS, GLOBAL_BATCH, EXAMPLES = 3, 16, 320  # 20 steps an epoch
-# (name, checkpointing, input, signal, ranks signalled, epoch, batch after which it is sent)
+# (name, checkpointing, input, signal, ranks signalled, epoch, batch after which it is sent).
+# "launcher": rank 0 writes WORK/ready there and slows down; the test signals the launcher.
 CASES = [
     ("backup_arrays", "backup", "arrays", signal.SIGTERM, (1,), 1, 9),
     ("checkpointer_dataset", "checkpointer", "dataset", signal.SIGUSR1, (0, 1), 1, 5),
+    ("backup_every_5_launcher", "backup5", "dataset", "launcher", (0,), 1, 6),
     ("nothing_saved", "none", "arrays", signal.SIGTERM, (0,), 0, 3),
 ]
 
 
 class Signal(keras.callbacks.Callback):
-    """Sends `sig` to this process after batch `batch` of epoch `epoch` (as a scheduler would)."""
+    """Sends `sig` to this process after batch `batch` of epoch `epoch` (as a scheduler would),
+    or for "launcher" writes `ready` there and then takes 0.2 s a step (the test signals)."""
 
-    def __init__(self, sig, epoch, batch):
+    def __init__(self, sig, epoch, batch, ready):
         super().__init__()
-        self.sig, self.epoch, self.batch, self.current = sig, epoch, batch, 0
+        self.sig, self.epoch, self.batch, self.current, self.ready = sig, epoch, batch, 0, ready
+        self.sent = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if (self.current, batch) == (self.epoch, self.batch):
-            os.kill(os.getpid(), self.sig)
+            self.sent = time.time()
+            if self.sig == "launcher":
+                open(self.ready, "w").close()
+            else:
+                os.kill(os.getpid(), self.sig)
+        elif self.sent and self.sig == "launcher":
+            time.sleep(0.2)
 
 
 class Counter(keras.callbacks.Callback):
@@ -73,16 +84,19 @@ def train(strategy, case, work, interrupt):
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
     folder = os.path.join(work, name + ("" if interrupt is not None else "-reference"))
     callbacks = []
-    if saver == "backup":
-        callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(folder, "backup")))
+    if saver.startswith("backup"):
+        callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(folder, "backup"),
+                                                          save_freq=int(saver[6:]) if saver[6:] else "epoch"))
     elif saver == "checkpointer":
         callbacks.append(Checkpointer(os.path.join(folder, "ckpt"), strategy=strategy))
         callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(folder, "model-{epoch}.weights.h5"),
                                                          save_weights_only=True))
     counter = Counter()
     callbacks.append(counter)
+    signaller = None
     if interrupt and strategy.rank in ranks:
-        callbacks.append(Signal(sig, epoch, batch))
+        signaller = Signal(sig, epoch, batch, os.path.join(work, "ready"))
+        callbacks.append(signaller)
     x, y = data()
     result = {"case": name}
     try:
@@ -95,8 +109,7 @@ def train(strategy, case, work, interrupt):
             ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(EXAMPLES, seed=5, reshuffle_each_iteration=False)
             model.fit(ds.batch(GLOBAL_BATCH), epochs=EPOCHS, verbose=0, callbacks=callbacks)
     except SystemExit as stop:
-        result.update(exit_code=stop.code, trained_from=counter.start,
-                      trained_to=int(np.asarray(model.optimizer.iterations)))
+        result.update(exit_code=stop.code, exit_time=time.time(), signal_time=getattr(signaller, "sent", None))
         raise
     finally:
         result.setdefault("trained_from", counter.start)
@@ -114,7 +127,7 @@ def main():
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy(tuning=False)
     if args.phase == 0:
-        for case in CASES:
+        for case in CASES[:-1]:  # the last is never resumed
             train(strategy, case, args.work, interrupt=None)
     else:
         train(strategy, CASES[args.phase - 1], args.work, interrupt=False)

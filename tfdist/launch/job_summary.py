@@ -90,6 +90,11 @@ def run(argv, host_of_rank=None, env=None):
     status = code if code >= 0 else 128 - code
     if code == 0:
         return 0
+    stop = recovery.preempted(tail)
+    if stop is not None:
+        print(f"tfdist-run: job preempted ({stop[0]}): {stop[1]}. Exit status {recovery.PREEMPTED_CODE}: "
+              "run the same command again to continue.", file=sys.stderr, flush=True)
+        return recovery.PREEMPTED_CODE
     if stopped is not None:
         what = f"stopped by {recovery.signal_name(stopped)} sent to tfdist-run"
     else:

@@ -48,21 +48,29 @@ def run_once(argv, env, tail_lines=TAIL_LINES, keep=None):
     the signal forwarded to it or None). `keep(line)` False: that line is neither copied nor kept.
 
     SIGTERM/SIGINT/SIGHUP sent to tfdist-run go to the launcher too (it stops its ranks); the
-    caller then does not relaunch. Ctrl-C at a terminal reaches both already.
+    caller then does not relaunch. Ctrl-C at a terminal reaches both already. SIGUSR1/SIGUSR2
+    (a scheduler's early warning, `sbatch --signal=B:USR1@90`) go on as they are to mpirun and
+    srun, which pass them to every rank; horovodrun would die of them, so it gets SIGTERM, which
+    it passes to every rank (tfdist's preemption stops them gracefully; horovodrun kills what is
+    left after 5 s).
     """
     tail = collections.deque(maxlen=tail_lines)
     lock = threading.Lock()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stopped = []
 
+    horovodrun = os.path.basename(argv[0]) == "horovodrun"
+
     def forward(signum, frame):
         stopped.append(signum)
+        passed_on = signal.SIGTERM if horovodrun and signum in (signal.SIGUSR1, signal.SIGUSR2) else signum
         try:
-            proc.send_signal(signum)
+            proc.send_signal(passed_on)
         except OSError:
             pass
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    previous = {s: signal.signal(s, forward)
+                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)}
 
     def pump(source, sink):
         writable = True

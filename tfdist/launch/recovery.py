@@ -44,6 +44,8 @@ _HOROVOD_NAME = re.compile(r"^\s*Process name: (\S+)\s*$")
 _HOROVOD_CODE = re.compile(r"^\s*Exit code: (-?\d+)\s*$")
 _MPIRUN = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
 _SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
+PREEMPTED_CODE = 75  # tfdist.preemption.EXIT_CODE (not imported: it loads TensorFlow)
+_PREEMPTED = re.compile(r"tfdist preemption: (.+?): every rank stopped together; (.+?)\. Exit code 75")
 _TRACEBACK_LAST = re.compile(r"^(?:\[\d+\]<std\w+>:)?(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)): ")
 
 
@@ -174,6 +176,14 @@ def analyse(returncode, lines, host_of_rank=None):
             failure.retry = False
             failure.why_not = f"{m[1]} happens again on every launch: {line.strip()[:300]}"
     return failure
+
+
+def preempted(lines):
+    """(why, what was saved) from the ranks' graceful-stop line in the job's output, or None."""
+    for line in lines:
+        if m := _PREEMPTED.search(line):
+            return m[1], m[2]
+    return None
 
 
 def decide(failure, history, restarts_done, max_restarts):
@@ -348,9 +358,20 @@ def _loop(make_argv, np_, hosts, max_restarts, min_np, discovery_script, slurm_s
             if restart:
                 log(f"job finished after {restart} restart(s) on {np_now} rank(s)")
             return 0
+        stop = preempted(tail)
+        if stop is not None and (stopped is not None or restart >= max_restarts):
+            log(f"job preempted ({stop[0]}; {stop[1]}); not restarting"
+                + (f": {signal_name(stopped)} was sent to tfdist-run" if stopped is not None
+                   else f" (restarts used up: {restart} of --max-restarts {max_restarts})")
+                + f". Exit status {PREEMPTED_CODE}: run the same command again to continue.")
+            return PREEMPTED_CODE
         if stopped is not None:
             log(f"stopped by {signal_name(stopped)}; not restarting")
             return code if code > 0 else 128 + stopped
+        if stop is not None:  # only some ranks were signalled: this allocation goes on, so resume
+            restart += 1
+            cause = f"preemption ({stop[0]}; {stop[1]})"
+            continue
         failure = analyse(code, tail, lambda r, hosts_now=hosts_now, argv=argv: _host_of_rank(r, hosts_now, argv))
         failure.progress = read_progress(progress_file)
         go, reason = decide(failure, history, restart, max_restarts)

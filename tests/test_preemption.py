@@ -1,0 +1,114 @@
+"""Graceful preemption and exact mid-epoch resume on 2 real ranks (tests/multirank/preemption_checks.py).
+
+Per flavour, four launches of the same worker: phase 0 trains every case uninterrupted (the
+references), then starts case 0, which a signal stops mid-epoch; phase N resumes case N-1 and
+starts case N. Keras 3 runs through `tfdist-run` (its exit status and last line are checked),
+tf-keras through plain `horovodrun`. Case 2 is signalled from outside, at the launcher, as a
+scheduler signals the job's first process.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BIN, ROOT, _tail, communicate_or_kill, flavor_env, make_job_env
+
+WORKER = ROOT / "tests" / "multirank" / "preemption_checks.py"
+CASES = ["backup_arrays", "checkpointer_dataset", "backup_every_5_launcher", "nothing_saved"]
+STOP_LINE = re.compile(r"tfdist preemption: (SIG\w+) on rank (\d) \(host .+?\): every rank stopped together; (.+?)\. "
+                       r"Exit code 75 \(preempted")
+
+
+def _launch(phase, work, out, flavor):
+    command = [sys.executable, str(WORKER), "--phase", str(phase), "--work", str(work), "--out", str(out)]
+    if flavor == "keras3":
+        command = [str(BIN / "tfdist-run"), "-np", "2", *command]
+    else:
+        command = [str(BIN / "horovodrun"), "-np", "2", "--gloo", *command]
+    proc = subprocess.Popen(command, cwd=ROOT, env=make_job_env(flavor_env(flavor)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    signalled = None
+    if phase == 2:  # case 2 starts in this launch: signal the launcher once rank 0 is mid-epoch
+        ready = work / "ready"
+        deadline = time.monotonic() + 240
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ready.exists():
+            signalled = time.time()
+            os.kill(proc.pid, signal.SIGUSR1 if flavor == "keras3" else signal.SIGTERM)
+    output, _, timed_out = communicate_or_kill(proc, 300)
+    assert not timed_out, f"phase {phase} timed out:\n{_tail(output)}"
+    return proc.returncode, output, signalled
+
+
+def _result(work, case, rank, kind):
+    return json.loads((work / case / f"rank{rank}-{kind}" / f"rank{rank}.json").read_text())
+
+
+@pytest.mark.parametrize("flavor", ["keras3", "tf_keras"])
+def test_preempted_job_saves_at_one_step_and_resumes_exactly(tmp_path, flavor):
+    work = tmp_path / "work"
+    outputs, signalled = {}, None
+    for phase in range(len(CASES)):
+        code, output, sent = _launch(phase, work, tmp_path / f"out{phase}", flavor)
+        outputs[phase] = output
+        signalled = sent or signalled
+        stops = STOP_LINE.findall(output)
+        assert len(stops) == 1, f"phase {phase}: expected one stop line, got {stops}\n{_tail(output)}"
+        if flavor == "keras3":  # tfdist-run: the preempted exit status, and its line last
+            assert code == 75, f"phase {phase}: tfdist-run exit status {code}\n{_tail(output)}"
+            assert re.search(r"tfdist-run: job preempted \(SIG\w+ on rank \d .+?\): .+Exit status 75", output)
+        else:
+            assert code != 0
+    # who was signalled, as the stop lines say
+    assert STOP_LINE.findall(outputs[0])[0][:2] == ("SIGTERM", "1")
+    assert STOP_LINE.findall(outputs[1])[0][0] == "SIGUSR1"
+    # tfdist-run passes SIGUSR1 on to horovodrun as SIGTERM, which horovodrun passes to every rank
+    assert STOP_LINE.findall(outputs[2])[0][0] == "SIGTERM"
+    assert "nothing could be saved" in STOP_LINE.findall(outputs[3])[0][2]
+    assert "BackupAndRestore" in STOP_LINE.findall(outputs[0])[0][2]
+    assert "Checkpointer" in STOP_LINE.findall(outputs[1])[0][2] and "ModelCheckpoint" in STOP_LINE.findall(outputs[1])[0][2]
+
+    for case in CASES[:3]:
+        for rank in (0, 1):
+            reference = _result(work, case + "-reference", rank, "finished")
+            stopped = _result(work, case, rank, "stopped")
+            resumed = _result(work, case, rank, "finished")
+            assert stopped["exit_code"] == 75
+            first_run = stopped["trained_to"] - stopped["trained_from"]
+            second_run = resumed["trained_to"] - resumed["trained_from"]
+            assert stopped["trained_from"] == 0 and resumed["trained_from"] == stopped["trained_to"], (case, rank)
+            # every step trained exactly once: none repeated, none skipped
+            assert first_run + second_run == reference["trained_to"] == 60, (case, rank, first_run, second_run)
+            assert 20 < first_run < 40, (case, rank, first_run)  # stopped mid-epoch 2
+            for mine, expected in zip(resumed["variables"], reference["variables"]):
+                np.testing.assert_allclose(mine, expected, atol=1e-5, err_msg=f"{case} rank {rank}")
+            if stopped.get("signal_time"):
+                assert stopped["exit_time"] - stopped["signal_time"] < 60
+        ranks = [_result(work, case, r, "finished")["variables"] for r in (0, 1)]
+        for a, b in zip(*ranks):
+            np.testing.assert_array_equal(a, b)
+    launcher_stop = _result(work, CASES[2], 0, "stopped")
+    assert signalled is not None and launcher_stop["exit_time"] - signalled < 60
+    print(f"\n{flavor}: launcher signal to exit {launcher_stop['exit_time'] - signalled:.2f} s; steps trained "
+          f"per run: " + ", ".join(f"{c}: {_result(work, c, 0, 'stopped')['trained_to']}+"
+                                   f"{60 - _result(work, c, 0, 'stopped')['trained_to']}" for c in CASES[:3]))
+
+
+def test_unit_launcher_reads_the_preempted_line():
+    from tfdist.launch import recovery
+
+    lines = ["[0]<stderr>:tfdist preemption: SIGTERM on rank 1 (host n1): every rank stopped together; saved "
+             "after epoch 2, batch 11 by BackupAndRestore (/b). Exit code 75 (preempted; resumable): run ...",
+             "Process name: 1", "Exit code: 75"]
+    assert recovery.preempted(lines) == ("SIGTERM on rank 1 (host n1)",
+                                         "saved after epoch 2, batch 11 by BackupAndRestore (/b)")
+    assert recovery.preempted(["Process name: 1", "Exit code: 75"]) is None
