@@ -143,3 +143,56 @@ def test_tfdist_run_in_an_allocation_uses_srun_and_mpi_from_pmix(cluster, tmp_pa
         assert np.array_equal(a, b)
     if not pmix:
         print("\nthis Slurm has no pmix MPI plugin: the MPI path under srun was not run")
+
+
+PREEMPT_WORKER = ROOT / "tests" / "multirank" / "preemption_checks.py"
+
+
+def test_preempted_job_is_requeued_and_resumes_exactly(cluster, tmp_path):
+    """The template's preemption path on real Slurm: `scancel --signal=USR1 --batch` (what
+    `--signal=B:USR1@120` sends before the time limit) mid-epoch; the ranks save and exit 75, the
+    template requeues, and the second run resumes and ends equal to an uninterrupted run."""
+    out, work, results = tmp_path / "preempt.out", tmp_path / "work", tmp_path / "results"
+    job = cluster.sbatch([*ONE_NODE, f"--output={out}", f"--chdir={ROOT}", CPU_TEMPLATE,
+                          "--phase", "slurm", "--work", work, "--out", results],
+                         env=job_env(cluster, TRAIN=str(PREEMPT_WORKER), PYTHONPATH=str(ROOT)))
+    deadline = time.monotonic() + 240
+    while not (work / "ready").exists():
+        info = cluster.job(job)
+        if info["JobState"] not in ("PENDING", "RUNNING") or time.monotonic() > deadline:
+            cluster.cli(["scancel", job], check=False)
+            pytest.fail("the job never reached epoch 2: " + explain(cluster, info, out.read_text() if out.exists() else ""))
+        time.sleep(0.2)
+    signalled = time.monotonic()
+    cluster.cli(["scancel", "--signal=USR1", "--batch", job])
+    deadline = time.monotonic() + 300
+    while True:
+        info = cluster.job(job)
+        done = all((results / f"rank{r}.json").exists() for r in (0, 1))
+        if info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and (done or info["JobState"] != "COMPLETED"):
+            break
+        if time.monotonic() > deadline:
+            cluster.cli(["scancel", job], check=False)
+            pytest.fail("the requeued job did not finish: " + explain(cluster, info, out.read_text()))
+        if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
+            # Slurm holds a requeued job for about two minutes; the test does not need to wait
+            cluster.cli(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+        time.sleep(1)
+    text = out.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), explain(cluster, info, text)
+    assert info.get("Restarts") == "1", explain(cluster, info, text)
+    assert "requeueing job" in text and "tfdist-run: job preempted (SIGUSR1" in text, text[-4000:]
+    stopped = [json.loads((work / "slurm" / f"rank{r}-stopped" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    resumed = [json.loads((work / "slurm" / f"rank{r}-finished" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    reference = [json.loads((work / "slurm-reference" / f"rank{r}-finished" / f"rank{r}.json").read_text())
+                 for r in (0, 1)]
+    print(f"\njob {job}: stopped {stopped[0]['exit_time'] - stopped[0]['signal_time']:.1f} s after rank 0 was "
+          f"ready for the signal; steps trained {stopped[0]['trained_to']} + "
+          f"{resumed[0]['trained_to'] - resumed[0]['trained_from']}; whole job {time.monotonic() - signalled:.0f} s "
+          "after the signal")
+    for r in (0, 1):
+        assert stopped[r]["exit_code"] == 75
+        assert resumed[r]["trained_from"] == stopped[r]["trained_to"]
+        assert stopped[r]["trained_to"] + resumed[r]["trained_to"] - resumed[r]["trained_from"] == 60
+        for mine, expected in zip(resumed[r]["variables"], reference[r]["variables"]):
+            np.testing.assert_allclose(mine, expected, atol=1e-5)

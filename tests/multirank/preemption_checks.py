@@ -120,12 +120,28 @@ def train(strategy, case, work, interrupt):
     return result
 
 
+SLURM_CASE = ("slurm", "backup", "dataset", "launcher", (0,), 1, 6)
+
+
+def slurm_job(strategy, work, out):
+    """Under sbatch --requeue: the first run is signalled mid-epoch by the test (scancel) and exits
+    75; the requeued run (SLURM_RESTART_COUNT=1) resumes it, then trains the uninterrupted reference."""
+    if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) == 0:
+        train(strategy, SLURM_CASE, work, interrupt=True)
+    train(strategy, SLURM_CASE, work, interrupt=False)
+    train(strategy, SLURM_CASE, work, interrupt=None)
+    write_results(out, strategy.rank, {"restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0"))})
+
+
 def main():
     parser = worker_parser()
-    parser.add_argument("--phase", type=int, required=True)
+    parser.add_argument("--phase", required=True, help="0, 1, ... or slurm")
     parser.add_argument("--work", required=True)
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy(tuning=False)
+    if args.phase == "slurm":
+        return slurm_job(strategy, args.work, args.out)
+    args.phase = int(args.phase)
     if args.phase == 0:
         for case in CASES[:-1]:  # the last is never resumed
             train(strategy, case, args.work, interrupt=None)
