@@ -18,7 +18,8 @@ config = collectives.broadcast_object({"lr": 0.1} if collectives.rank() == 0 els
 In the TensorFlow profiler's trace each collective is named (`named()`): its ops sit under
 `tfdist_allreduce/`, `tfdist_adasum/`, `tfdist_broadcast/`, `tfdist_allgather/` or the scope its
 caller gives (`tfdist_metric_sync`, `tfdist_loss_scale_agreement`). `start_timeline()` /
-`stop_timeline()` record Horovod's own timeline for chosen steps (callbacks.ProfileSteps).
+`stop_timeline()` record Horovod's own timeline for chosen steps (callbacks.ProfileSteps). Run
+eagerly, each collective is also marked for the hang detector (`tfdist.hang`).
 """
 
 import contextlib
@@ -29,7 +30,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _compat
+from tfdist import _compat, hang
 from tfdist.errors import HorovodNotAvailableError, XlaNotSupportedError
 
 INSTALL_HINT = (
@@ -148,7 +149,7 @@ def allgather_object(value, name="tfdist.objects"):
 
 
 @contextlib.contextmanager
-def named(scope):
+def named(scope, kind=None, name=None):
     """Name the collective ops built inside as `scope` in the profiler's trace viewer.
 
     ```python
@@ -158,11 +159,16 @@ def named(scope):
 
     In a graph (`tf.function`, `model.fit`) it is a `tf.name_scope`, so the ops are
     `.../scope/HorovodAllreduce...`; run eagerly, where ops have no scope, it is a profiler range
-    of that name around them (free when the profiler is off).
+    of that name around them (free when the profiler is off), and a `tfdist.hang` mark (`kind`
+    and `name`: the collective, e.g. "allreduce", "tfdist.metrics", as the hang detector names it).
     """
     if tf.executing_eagerly():
-        with tf.profiler.experimental.Trace(scope):
-            yield
+        mark = hang.enter(hang.collective(kind, name, scope))
+        try:
+            with tf.profiler.experimental.Trace(scope):
+                yield
+        finally:
+            hang.leave(mark)
     else:
         with tf.name_scope(scope):
             yield
@@ -198,7 +204,7 @@ def allreduce(tensors, op="sum", name=None, compression=None, scope="tfdist_allr
     An average of integer tensors is a floor division of the sum, keeping the dtype.
     `scope` names it in the profiler's trace viewer (see `named`).
     """
-    with named(scope):
+    with named(scope, "allreduce", name):
         return _allreduce(list(tensors), op, name, compression)
 
 
@@ -277,7 +283,7 @@ def adasum(tensors, num_replicas, compression=None, scope="tfdist_adasum"):
     kwargs = {"op": hvd.Adasum}
     if compression is not None:
         kwargs["compression"] = compression
-    with named(scope):
+    with named(scope, "adasum"):
         out = []
         for t in tensors:
             t = tf.convert_to_tensor(t)  # IndexedSlices -> dense
@@ -290,12 +296,12 @@ def adasum(tensors, num_replicas, compression=None, scope="tfdist_adasum"):
 
 
 def broadcast(tensor, root_rank=0, name=None, scope="tfdist_broadcast"):
-    with named(scope):
+    with named(scope, "broadcast", name):
         return horovod().broadcast(tensor, root_rank=root_rank, name=graph_name("HorovodBroadcast", name))
 
 
 def allgather(tensor, name=None, scope="tfdist_allgather"):
-    with named(scope):
+    with named(scope, "allgather", name):
         return horovod().allgather(tensor, name=graph_name("HorovodAllgather", name))
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import collectives, consistency, input_contract
+from tfdist import collectives, consistency, hang_detector, input_contract
 from tfdist import gpu as gpu_lib
 from tfdist import precision as precision_lib
 from tfdist import watchdog as watchdog_lib
@@ -37,6 +37,7 @@ from tfdist.keras import preemption as keras_preemption
 from tfdist.keras import metrics as keras_metrics
 from tfdist.keras import predictions as keras_predict
 from tfdist.keras import progress as quiet_ranks
+from tfdist.keras import step_marks
 from tfdist.keras.recognise import multi_rank_strategy_of  # noqa: F401  (this module's name for it since 0.1)
 from tfdist.keras_flavour import legacy_requested
 from tfdist.strategy_extended import HorovodExtended
@@ -162,6 +163,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             consistency.check_start(options.fingerprint)
         if options.watchdog is not False:
             watchdog_lib.start(None if options.watchdog is True else float(options.watchdog))
+            hang_detector.start()  # ranks that wait in different collectives: named, then stopped
         input_contract.agree_on_tf_seed()
         gradient_exchange.install_gradient_marker()
         device = options.device
@@ -175,6 +177,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         keras_metrics.install()
         keras_predict.install()
         keras_callbacks.install()
+        step_marks.install()  # each fit's batches marked for the hang detector
         chief_saves.install()
         fit_callbacks.install()
         keras_preemption.install()  # after keras_callbacks: it wraps BackupAndRestore's chief-only save

@@ -270,13 +270,15 @@ class _Watchdog:
     def _peer_failed(self, peer, what):
         if self.stopped or self.failing:
             return  # this rank is already on its way out with its own story
-        if self.rank == 0 and self._tell_others(_verdict(f"{peer.describe()} {what}", "every rank"),
-                                                skip=peer):
+        what = f"{peer.describe()} {what}"
+        if self.rank == 0 and self.send_all({"t": "dead", "text": _verdict(what, "every rank"), "every_rank": False}, peer):
             time.sleep(0.2)  # let them read it before this process's exit resets the connections
-        self._exit(_verdict(f"{peer.describe()} {what}", f"rank {self.rank} (host {self.host})"))
+        self._exit(_verdict(what, f"rank {self.rank} (host {self.host})"))
 
-    def _tell_others(self, text, skip=None, every_rank=False):
-        return self.send_all({"t": "dead", "text": text, "every_rank": every_rank}, skip)
+    def end_job(self, text):
+        """Rank 0: print `text`, then tell every other rank to print it; every rank exits with EXIT_CODE."""
+        self.settled.update(self.peers)  # they leave on this word: their closing connections are no news
+        self._exit(text, then=lambda: self.send_all({"t": "dead", "text": text, "every_rank": False}) and time.sleep(0.2))
 
     def send_all(self, message, skip=None):
         """Send `message` to every connected rank but `skip` (rank 0: all others; others: rank 0)."""
@@ -285,7 +287,7 @@ class _Watchdog:
             other.send(message)
         return others
 
-    def _exit(self, text):
+    def _exit(self, text, then=lambda: None):
         if self.stopped or self.failing:
             return
         # A traceback this rank is printing comes first (the verdict is then the last line).
@@ -297,6 +299,7 @@ class _Watchdog:
         try:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
+            then()  # end_job: tell the others once this rank's line is out
         finally:
             os._exit(EXIT_CODE)
 
@@ -322,9 +325,8 @@ class _Watchdog:
                     time.sleep(0.05)
             self.failing = True
         if self.rank == 0:
-            text = _verdict(f"rank 0 (host {self.host}, pid {os.getpid()}) failed: {summary}",
-                            "every rank")
-            if self._tell_others(text, every_rank=every_rank):
+            text = _verdict(f"rank 0 (host {self.host}, pid {os.getpid()}) failed: {summary}", "every rank")
+            if self.send_all({"t": "dead", "text": text, "every_rank": every_rank}):
                 # Stay until the others have left or raised the same error themselves, so that
                 # a launcher reacting to this exit does not cut their own report short.
                 deadline = time.monotonic() + VERDICT_GRACE_SECONDS + (1 if every_rank else 0)
