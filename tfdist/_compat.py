@@ -158,6 +158,15 @@ def keras3_tf_optimizer_class(hook):
     raise hook_error(hook, "keras.optimizers.Optimizer has no TFOptimizer base (is the backend TensorFlow?)")
 
 
+def model_classes(hook):
+    """[(class, flavour)] whose train/test/predict methods the hooks wrap: Keras 3's trainer, and
+    tf-keras' Model when tf-keras is in use."""
+    classes = [(keras3_trainer_class(hook), "keras3")]
+    if tf_keras_in_use():
+        classes.append((tf_keras_model_class(hook), "tf_keras"))
+    return classes
+
+
 def tf_keras_model_class(hook):
     return _import("tf_keras", hook, "tf_keras").Model
 

@@ -39,9 +39,8 @@ def register(where, factory):
 
 def install():
     """Wrap `fit` of Keras 3 and (if used) tf-keras models; `KerasHookError` if Keras moved it."""
-    _patch(_compat.keras3_trainer_class(HOOK), "keras3")
-    if _compat.tf_keras_in_use():
-        _patch(_compat.tf_keras_model_class(HOOK), "tf_keras")
+    for model_class, flavour in _compat.model_classes(HOOK):
+        _patch(model_class, flavour)
 
 
 def _patch(model_class, flavour):

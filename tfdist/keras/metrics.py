@@ -30,9 +30,9 @@ def install():
 
     Raises `KerasHookError` (naming the Keras version) if a class or method moved.
     """
-    _patch(_compat.keras3_trainer_class(HOOK), _keras3_global_result, "keras3")
-    if _compat.tf_keras_in_use():
-        _patch(_compat.tf_keras_model_class(HOOK), _tf_keras_global_result, "tf_keras")
+    global_result = {"keras3": _keras3_global_result, "tf_keras": _tf_keras_global_result}
+    for model_class, flavour in _compat.model_classes(HOOK):
+        _patch(model_class, global_result[flavour], flavour)
 
 
 def _patch(model_class, global_result, flavour):

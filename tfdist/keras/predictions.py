@@ -24,9 +24,8 @@ def install():
 
     Raises `KerasHookError` (naming the Keras version) if a class or method moved.
     """
-    _patch(_compat.keras3_trainer_class(HOOK), "keras3")
-    if _compat.tf_keras_in_use():
-        _patch(_compat.tf_keras_model_class(HOOK), "tf_keras")
+    for model_class, flavour in _compat.model_classes(HOOK):
+        _patch(model_class, flavour)
 
 
 def _patch(model_class, flavour):

@@ -40,9 +40,8 @@ def install():
     """Wrap `fit`/`evaluate`/`predict` of Keras 3 and (if used) tf-keras models; on ranks other
     than 0, ignore Keras' UserWarnings. Raises `KerasHookError` (naming the Keras version) if a
     method moved."""
-    _patch(_compat.keras3_trainer_class(HOOK), "keras3")
-    if _compat.tf_keras_in_use():
-        _patch(_compat.tf_keras_model_class(HOOK), "tf_keras")
+    for model_class, flavour in _compat.model_classes(HOOK):
+        _patch(model_class, flavour)
     if not _filtered and quieted():
         warnings.filterwarnings("ignore", category=UserWarning, module=KERAS_WARNING_MODULES)
         _filtered.append(True)
