@@ -166,6 +166,7 @@ class Checkpointer(Callback):
         self._choice = None
         self._arrays = None
         self._rank_arrays = []
+        self._saved_at = None  # (epoch, batches done, chief: path) of this callback's last save, every rank
 
     @property
     def _rank_size(self):
@@ -246,8 +247,8 @@ class Checkpointer(Callback):
                 log.warning("tfdist checkpoint: epoch %d ended with loss %s; not saved", done, loss)
             return
         rank_state = self._gathered_rank_state()  # a collective: before the chief-only save
-        if self._rank_size[0] == 0:
-            self.save(done, rank_state)
+        path = self.save(done, rank_state) if self._rank_size[0] == 0 else None
+        self._saved_at = (done, 0, path)  # on every rank: save_on_preemption's choice must agree
 
     def save_on_preemption(self, epoch: int, batches_done: int) -> str | None:
         """Save now, mid-epoch, for a graceful stop (`tfdist.keras.preemption`); every rank calls it.
@@ -259,10 +260,12 @@ class Checkpointer(Callback):
         Returns:
             The checkpoint's path on the chief, None on the other ranks.
         """
+        if self._saved_at and self._saved_at[:2] == (epoch, batches_done):
+            return self._saved_at[2]  # an epoch's end this callback has just saved itself
         rank_state = self._gathered_rank_state()
-        if self._rank_size[0] == 0:
-            return self.save(epoch, rank_state, batches_done)
-        return None
+        path = self.save(epoch, rank_state, batches_done) if self._rank_size[0] == 0 else None
+        self._saved_at = (epoch, batches_done, path)
+        return path
 
     def save(self, epoch: int, rank_state: dict[str, np.ndarray] | None = None, batches_done: int = 0) -> str:
         """Write checkpoint `ckpt-<epoch>` (`epoch` epochs finished) now, then prune; chief only.

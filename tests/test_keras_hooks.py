@@ -15,6 +15,7 @@ METRICS, PREDICT, CALLBACKS, PRECISION, QUIET = (
     "global metrics", "predict gathers rows", "chief-only callback writes", "rank-consistent loss scaling",
     "chief-only progress bars")
 GRADIENT_SUM = "gradient-sum marker"
+PREEMPTION, FIT_CALLBACKS = "preemption checkpoints", "tfdist fit callbacks"
 
 # Run in the child: BREAK (may be empty), then HorovodStrategy(); prints one JSON line.
 CHILD = """
@@ -42,6 +43,7 @@ hooks = {{
     "keras3.LossScaleOptimizer._tf_apply": keras.mixed_precision.LossScaleOptimizer._tf_apply,
     "keras3.TFOptimizer._all_reduce_sum_gradients": _compat.keras3_tf_optimizer_class("test")._all_reduce_sum_gradients,
     "keras3.fit": keras.Model.fit, "keras3.evaluate": keras.Model.evaluate, "keras3.predict": keras.Model.predict,
+    "keras3.fit, under the progress hook": getattr(keras.Model.fit, "tfdist_original", None),
 }}
 if _compat.tf_keras_in_use():
     import tf_keras
@@ -52,6 +54,8 @@ if _compat.tf_keras_in_use():
         "tf_keras.BackupAndRestore.on_train_begin": tf_keras.callbacks.BackupAndRestore.on_train_begin,
         "tf_keras.fit": tf_keras.Model.fit, "tf_keras.evaluate": tf_keras.Model.evaluate,
         "tf_keras.predict": tf_keras.Model.predict,
+        "tf_keras.fit, under the progress hook": getattr(tf_keras.Model.fit, "tfdist_original", None),
+        "tf_keras.BackupAndRestore._backup": tf_keras.callbacks.BackupAndRestore._backup,
     }})
 print("RESULT " + json.dumps({{"hooks": {{k: _compat.hook_of(v) for k, v in hooks.items()}},
                                 "keras_module": keras_module().__name__}}))
@@ -67,13 +71,14 @@ KERAS3_HOOKS = {
     "keras3.test_step": METRICS,
     "keras3.predict_step": PREDICT,
     "keras3.ModelCheckpoint._save_model": CALLBACKS,
-    "keras3.BackupAndRestore._save_model": CALLBACKS,
+    "keras3.BackupAndRestore._save_model": PREEMPTION,  # over the chief-only write
     "keras3.BackupAndRestore.on_train_end": CALLBACKS,
     "keras3.TensorBoard.set_model": CALLBACKS,
     "keras3.LossScaleOptimizer.check_finite": PRECISION,
     "keras3.LossScaleOptimizer._tf_apply": PRECISION,
     "keras3.TFOptimizer._all_reduce_sum_gradients": GRADIENT_SUM,
     "keras3.fit": QUIET, "keras3.evaluate": QUIET, "keras3.predict": QUIET,
+    "keras3.fit, under the progress hook": FIT_CALLBACKS,
 }
 TF_KERAS_HOOKS = {
     "tf_keras.get_metrics_result": METRICS,
@@ -81,6 +86,8 @@ TF_KERAS_HOOKS = {
     "tf_keras.predict_step": PREDICT,
     "tf_keras.BackupAndRestore.on_train_begin": CALLBACKS,
     "tf_keras.fit": QUIET, "tf_keras.evaluate": QUIET, "tf_keras.predict": QUIET,
+    "tf_keras.fit, under the progress hook": FIT_CALLBACKS,
+    "tf_keras.BackupAndRestore._backup": PREEMPTION,
 }
 
 
@@ -123,6 +130,8 @@ BROKEN = [
      METRICS, "tf_keras "),
     ("tf_keras predict_step gone", "tf_keras",
      "import tf_keras\ndel tf_keras.Model.predict_step", PREDICT, "tf_keras 2."),
+    ("tf_keras BackupAndRestore._backup gone", "tf_keras",
+     "import tf_keras\ndel tf_keras.callbacks.BackupAndRestore._backup", PREEMPTION, "tf_keras 2."),
     ("predict without verbose", "keras3",
      "from keras.src.backend.tensorflow.trainer import TensorFlowTrainer\n"
      "TensorFlowTrainer.predict = lambda self, x, batch_size=None: None", QUIET, "keras "),

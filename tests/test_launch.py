@@ -498,8 +498,11 @@ def test_sbatch_template_parses_and_asks_for_what_it_says(name):
     assert "stage_dataset(sys.argv[1], local_rank=0)" in text and '--ntasks-per-node=1' in text
     # training through tfdist-run (srun --kill-on-bad-exit=1, and --max-restarts from MAX_RESTARTS)
     assert re.search(r'^"\$PY" -m tfdist.launch.runner --launcher srun -np "\$SLURM_NTASKS" --max-restarts "\$\{MAX_RESTARTS:-0\}"', text, re.M)
-    assert re.search(r'"\$\{run\[@\]\}" "\$\{args\[@\]\}" "\$@"$', text, re.M)
+    assert re.search(r'"\$\{run\[@\]\}" "\$\{args\[@\]\}" "\$@" &$', text, re.M)
     assert "--no-kill" in opts  # a lost node leaves the rest of the allocation for a relaunch
+    # preemption: the early signal, requeue on exit 75 (tests/test_slurm.py runs it for real)
+    assert opts["--signal"] == "B:USR1@120" and "--requeue" in opts and opts["--open-mode"] == "append"
+    assert 'trap \'kill -USR1 "$trainer"' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert 'run=("$PY" -m tfdist.benchmark.train_benchmark)' in text and "PYTHONPATH" not in text  # an installed tfdist
 
 

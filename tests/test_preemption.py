@@ -22,7 +22,7 @@ import pytest
 from conftest import BIN, ROOT, _tail, communicate_or_kill, flavor_env, make_job_env
 
 WORKER = ROOT / "tests" / "multirank" / "preemption_checks.py"
-CASES = ["backup_arrays", "checkpointer_dataset", "backup_every_5_launcher", "nothing_saved"]
+CASES = ["backup_arrays", "checkpointer_dataset", "backup_every_5_launcher", "custom_loop", "nothing_saved"]
 STOP_LINE = re.compile(r"tfdist preemption: (SIG\w+) on rank (\d) \(host .+?\): every rank stopped together; (.+?)\. "
                        r"Exit code 75 \(preempted")
 
@@ -73,11 +73,12 @@ def test_preempted_job_saves_at_one_step_and_resumes_exactly(tmp_path, flavor):
     assert STOP_LINE.findall(outputs[1])[0][0] == "SIGUSR1"
     # tfdist-run passes SIGUSR1 on to horovodrun as SIGTERM, which horovodrun passes to every rank
     assert STOP_LINE.findall(outputs[2])[0][0] == "SIGTERM"
-    assert "nothing could be saved" in STOP_LINE.findall(outputs[3])[0][2]
+    assert STOP_LINE.findall(outputs[3])[0][:2] == ("SIGTERM", "1") and "loop-state.npz" in outputs[3]
+    assert "nothing could be saved" in STOP_LINE.findall(outputs[4])[0][2]
     assert "BackupAndRestore" in STOP_LINE.findall(outputs[0])[0][2]
     assert "Checkpointer" in STOP_LINE.findall(outputs[1])[0][2] and "ModelCheckpoint" in STOP_LINE.findall(outputs[1])[0][2]
 
-    for case in CASES[:3]:
+    for case in CASES[:4]:
         for rank in (0, 1):
             reference = _result(work, case + "-reference", rank, "finished")
             stopped = _result(work, case, rank, "stopped")
@@ -100,7 +101,7 @@ def test_preempted_job_saves_at_one_step_and_resumes_exactly(tmp_path, flavor):
     assert signalled is not None and launcher_stop["exit_time"] - signalled < 60
     print(f"\n{flavor}: launcher signal to exit {launcher_stop['exit_time'] - signalled:.2f} s; steps trained "
           f"per run: " + ", ".join(f"{c}: {_result(work, c, 0, 'stopped')['trained_to']}+"
-                                   f"{60 - _result(work, c, 0, 'stopped')['trained_to']}" for c in CASES[:3]))
+                                   f"{60 - _result(work, c, 0, 'stopped')['trained_to']}" for c in CASES[:4]))
 
 
 def test_unit_launcher_reads_the_preempted_line():

@@ -239,26 +239,40 @@ def test_killed_twice_mid_epoch_ends_equal_to_an_uninterrupted_run(keras_flavor,
 
 
 @pytest.mark.multirank
-def test_lost_rank_finishes_on_two_at_the_digits_target(keras_flavor, digits, tmp_path):
+def test_lost_rank_goes_on_two_then_grows_back_to_three_at_the_digits_target(keras_flavor, digits, tmp_path):
+    """3 ranks, then 2 (rank 2's host is gone), then 3 again once the discovery script lists it."""
     gone = tmp_path / "host-gone"
     discovery = tmp_path / "hosts.sh"
     discovery.write_text(f"#!/bin/sh\nif [ -e {gone} ]; then echo localhost:2; else echo localhost:3; fi\n")
     discovery.chmod(0o755)
-    env = {**flavor_env(keras_flavor), "RECOVERY_TEST_KILL": "0:2:1:3", "RECOVERY_TEST_GONE": str(gone)}
+    env = {**flavor_env(keras_flavor), "RECOVERY_TEST_KILL": "0:2:1:3", "RECOVERY_TEST_GONE": str(gone),
+           "RECOVERY_TEST_BACK": "1:2", "TFDIST_GROW_CHECK_SECONDS": "1"}
     code, output, stderr, results, logs, _ = tfdist_run_job(
         ["-np", "3", "--min-np", "2", "--max-restarts", "1", "--host-discovery-script", str(discovery),
-         "--global-batch", "48"], digits, tmp_path, env, epochs=4)
+         "--global-batch", "48"], digits, tmp_path, env, epochs=5)
     assert code == 0, output[-6000:]
     assert "tfdist-run: restart 1/1 after rank 2 (host " in stderr
     # horovodrun reports the first process to exit: rank 2 (SIGKILL), or a survivor the watchdog
     # stopped (exit code 3), and then the watchdog's line names rank 2 and how it went
     assert "was killed by SIGKILL" in stderr or "died: its connection closed without a goodbye" in stderr
     assert "relaunching on 2 rank(s) on localhost:2" in stderr
-    assert sorted(results) == [0, 1]
-    for rank in (0, 1):
-        assert results[rank]["size"] == 2 and results[rank]["restart"] == 1
-        assert results[rank]["initial_epoch"] == 1 and results[rank]["iterations"] == 4 * results[rank]["steps_per_epoch"]
-    assert logs[0] == [(0, 3, 0), (0, 3, 1), (1, 2, 1), (1, 2, 2), (1, 2, 3)]
+    # back: the job stops at an epoch's end, saves it, and goes on with 3 ranks (no restart used)
+    assert "tfdist-run: 3 rank(s) fit again; asking the job to stop at the end of this epoch" in stderr
+    assert "tfdist-run: growing back: relaunching on 3 rank(s) on localhost:3" in stderr, stderr[-3000:]
+    assert "tfdist preemption: tfdist-run: hosts for 3 ranks are back (this launch has 2): every rank stopped " \
+           "together; saved at the end of epoch" in output
+    assert sorted(results) == [0, 1, 2]
+    for rank in (0, 1, 2):
+        assert results[rank]["size"] == 3 and results[rank]["restart"] == 2
+        assert results[rank]["iterations"] == 5 * results[rank]["steps_per_epoch"]
+    # epochs by launch: 3 ranks (killed in epoch 1), 2 ranks from epoch 1 until the host is back
+    # (it returns at the start of epoch 2), then 3 ranks from the next epoch on; none repeated
+    # but the one the kill interrupted
+    sizes = [(restart, size) for restart, size, _ in logs[0]]
+    epochs = [epoch for _, _, epoch in logs[0]]
+    assert logs[0][:4] == [(0, 3, 0), (0, 3, 1), (1, 2, 1), (1, 2, 2)], logs[0]
+    assert epochs[2:] == list(range(1, 5)) and sizes[-1] == (2, 3), logs[0]
+    print(f"epochs (launch, ranks, epoch): {logs[0]}")
     # the digits example's target (tests/test_example.py), on the same held-out 360 digits
-    print(f"test accuracy on 2 ranks after the loss of rank 2: {results[0]['test_accuracy']:.4f}")
-    assert results[0]["test_accuracy"] == results[1]["test_accuracy"] >= 0.90, results[0]["test_accuracy"]
+    print(f"test accuracy on 3 ranks after 3 -> 2 -> 3: {results[0]['test_accuracy']:.4f}")
+    assert results[0]["test_accuracy"] == results[1]["test_accuracy"] == results[2]["test_accuracy"] >= 0.90

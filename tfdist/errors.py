@@ -58,5 +58,8 @@ class LaunchError(TfdistError):
 
 
 class PreemptionError(TfdistError):
-    """A graceful stop could not be agreed on (`tfdist.preemption`): a rank did not acknowledge
-    the stop step, or learned of it too late; or `TFDIST_PREEMPTION_SIGNALS` names no signal."""
+    """A graceful stop could not be agreed on across ranks (`tfdist.preemption`).
+
+    A rank did not acknowledge the stop step, or learned of it too late; or
+    `TFDIST_PREEMPTION_SIGNALS` names something that is not a signal.
+    """

@@ -35,6 +35,7 @@ ranks' acknowledgements, default 60).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -50,6 +51,8 @@ log = logging.getLogger("tfdist")
 
 EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, try again": preempted, resumable
 SIGNALS_ENV = "TFDIST_PREEMPTION_SIGNALS"
+CONTROL_ENV = "TFDIST_CONTROL_FILE"  # tfdist-run writes {"stop": "epoch_end", "why": ...} there to grow the job
+CONTROL_CHECK_SECONDS = 1.0
 ACK_ENV = "TFDIST_PREEMPTION_ACK_SECONDS"
 DEFAULT_SIGNALS = "TERM,USR1"
 MARK = "tfdist preemption:"  # every line tfdist prints about it starts so (tfdist-run reads them)
@@ -79,12 +82,15 @@ class _Requests:
         self.changed = threading.Condition()
         self.reason = None  # "SIGTERM on rank 1 (host h)": why the job stops
         self.stop_at = None  # the agreed step count (non-zero ranks: from rank 0)
+        self.at_epoch_end = False  # asked to stop at an epoch's end (tfdist-run growing the job)
         self.acks = set()
 
-    def request(self, reason):
+    def request(self, reason, at_epoch_end=False):
         with self.changed:
             if self.reason is None:
-                self.reason = reason
+                self.reason, self.at_epoch_end = reason, at_epoch_end
+            elif not at_epoch_end:
+                self.at_epoch_end = False  # a signal turns a pending epoch-end stop into a prompt one
             self.changed.notify_all()
 
     def on_message(self, message):
@@ -96,6 +102,7 @@ class _Requests:
                 with self.changed:
                     self.reason = str(message["why"])
                     self.stop_at = int(message["step"])
+                    self.at_epoch_end = bool(message.get("epoch_end"))
                     self.changed.notify_all()
                 dog = watchdog.running()
                 if dog is not None and 0 in dog.peers:
@@ -109,7 +116,7 @@ class _Requests:
 
     def reset(self):
         with self.changed:
-            self.reason, self.stop_at, self.acks = None, None, set()
+            self.reason, self.stop_at, self.at_epoch_end, self.acks = None, None, False, set()
 
 
 _requests = _Requests()
@@ -164,25 +171,53 @@ class StepAgreement:
         """Why the job stops, once a signal arrived anywhere (None before)."""
         return _requests.reason
 
-    def stop_after(self, steps_done: int, avoid=None) -> bool:
+    @property
+    def at_epoch_end(self) -> bool:
+        """Whether the agreed stop is at the end of an epoch (a request from `tfdist-run` to grow
+        the job: the epoch's own checkpoint is the one to resume from)."""
+        return _requests.at_epoch_end
+
+    def stop_after(self, steps_done: int, ends_epoch=None) -> bool:
         """Whether every rank stops now, after `steps_done` steps (the same count on every rank).
 
-        `avoid(step)`: True for a step not to stop after (e.g. an epoch's last, so that its
-        epoch-end work runs first); the stop then comes one step later.
+        `ends_epoch(step)`: whether step number `step` ends an epoch. A prompt stop (a signal)
+        does not stop there, but one step later, so that the epoch's end runs first; a stop at an
+        epoch's end (`tfdist-run` growing the job) waits for the next one.
         """
         if self.rank != 0 and self.size > 1 and watchdog.running() is not None:
             return self._follow(steps_done)
+        self._read_control_file()
         with _requests.changed:
-            reason, stop_at = _requests.reason, _requests.stop_at
+            reason, stop_at, at_epoch_end = _requests.reason, _requests.stop_at, _requests.at_epoch_end
         if reason is None:
             return False
         if stop_at is None:
             alone = self.size == 1 or watchdog.running() is None
             stop_at = steps_done if alone else steps_done + 1  # no other rank can be past it
-            if avoid is not None and avoid(stop_at):
+            if at_epoch_end and ends_epoch is not None:
+                limit = stop_at + 10**7
+                while stop_at < limit and not ends_epoch(stop_at):
+                    stop_at += 1
+                at_epoch_end = stop_at < limit
+            elif ends_epoch is not None and ends_epoch(stop_at):
                 stop_at += 1
-            stop_at = self._decide(stop_at, reason)
+            stop_at = self._decide(stop_at, reason, at_epoch_end and ends_epoch is not None)
         return steps_done >= stop_at
+
+    def _read_control_file(self):
+        """Rank 0: a stop that `tfdist-run` asks for in its control file (checked once a second)."""
+        path = os.environ.get(CONTROL_ENV)
+        now = time.monotonic()
+        if not path or now < getattr(self, "_next_control_check", 0.0):
+            return
+        self._next_control_check = now + CONTROL_CHECK_SECONDS
+        try:
+            with open(path) as f:
+                request = json.load(f)
+        except (OSError, ValueError):
+            return
+        if isinstance(request, dict) and request.get("stop") == "epoch_end":
+            _requests.request(str(request.get("why", "tfdist-run asked")), at_epoch_end=True)
 
     def _follow(self, steps_done):
         with _requests.changed:
@@ -200,11 +235,12 @@ class StepAgreement:
                                   "(a fit or loop with a different number of steps on some rank)")
         return steps_done == stop_at
 
-    def _decide(self, stop_at, reason):
+    def _decide(self, stop_at, reason, at_epoch_end=False):
         dog = watchdog.running()
         with _requests.changed:
-            _requests.stop_at = stop_at
-        others = dog.send_all({"t": _STOP_AT, "step": stop_at, "why": reason}) if dog and self.size > 1 else []
+            _requests.stop_at, _requests.at_epoch_end = stop_at, at_epoch_end
+        message = {"t": _STOP_AT, "step": stop_at, "why": reason, "epoch_end": at_epoch_end}
+        others = dog.send_all(message) if dog and self.size > 1 else []
         wanted = {peer.rank for peer in others}
         limit = float(os.environ.get(ACK_ENV, 60))
         deadline = time.monotonic() + limit

@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist import preemption  # noqa: E402
 from tfdist.callbacks import Checkpointer  # noqa: E402
 from tfdist.callbacks.checkpoint import training_variables  # noqa: E402
 
@@ -34,6 +35,7 @@ CASES = [
     ("backup_arrays", "backup", "arrays", signal.SIGTERM, (1,), 1, 9),
     ("checkpointer_dataset", "checkpointer", "dataset", signal.SIGUSR1, (0, 1), 1, 5),
     ("backup_every_5_launcher", "backup5", "dataset", "launcher", (0,), 1, 6),
+    ("custom_loop", "loop", "dataset", signal.SIGTERM, (1,), 1, 12),
     ("nothing_saved", "none", "arrays", signal.SIGTERM, (0,), 0, 3),
 ]
 
@@ -100,7 +102,9 @@ def train(strategy, case, work, interrupt):
     x, y = data()
     result = {"case": name}
     try:
-        if source == "arrays":
+        if saver == "loop":
+            custom_loop(strategy, model, folder, signaller, counter)
+        elif source == "arrays":
             # Keras 3 draws the same permutation every epoch; tf-keras a new one, which a resumed
             # process would not repeat (docs/FAULTS.md), so its arrays are not shuffled here.
             model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=not LEGACY, verbose=0,
@@ -118,6 +122,52 @@ def train(strategy, case, work, interrupt):
         saved = os.path.join(folder, f"rank{strategy.rank}-{'stopped' if interrupt else 'finished'}")
         write_results(saved, strategy.rank, result)
     return result
+
+
+def custom_loop(strategy, model, folder, signaller, counter):
+    """A custom training loop with `tfdist.preemption.StepAgreement` and its own checkpoint file
+    (as a user writes it); `counter.start`: the step it starts at."""
+    optimizer, state = model.optimizer, os.path.join(folder, "loop-state.npz")
+    with strategy.scope():
+        optimizer.build(model.trainable_variables)
+    variables = training_variables(model)
+    start = 0
+    if os.path.exists(state):  # every rank reads the chief's save (a shared file system)
+        with np.load(state) as saved:
+            start = int(saved["step"])
+            for i, variable in enumerate(variables):
+                variable.assign(saved[f"v{i}"])
+    x, y = data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(EXAMPLES, seed=5, reshuffle_each_iteration=False)
+    iterator = iter(strategy.experimental_distribute_dataset(ds.batch(GLOBAL_BATCH).repeat(EPOCHS)))
+    counter.start = start
+    for _ in range(start):  # the steps already trained: their data is read, not trained on
+        next(iterator)
+
+    @tf.function
+    def train_step(batch):
+        def replica(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(model(xb, training=True) - yb)) / GLOBAL_BATCH
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(replica, args=batch)
+
+    steps_per_epoch = EXAMPLES // GLOBAL_BATCH
+    agreement = preemption.StepAgreement()
+    for step in range(start, EPOCHS * steps_per_epoch):
+        train_step(next(iterator))
+        if signaller is not None:
+            signaller.on_epoch_begin(step // steps_per_epoch)
+            signaller.on_train_batch_end(step % steps_per_epoch)
+        if agreement.stop_after(step + 1):
+            if strategy.rank == 0:
+                os.makedirs(folder, exist_ok=True)
+                with open(state + ".tmp", "wb") as f:
+                    np.savez(f, step=step + 1, **{f"v{i}": np.asarray(v) for i, v in enumerate(variables)})
+                os.replace(state + ".tmp", state)
+            preemption.exit_preempted(f"step {step + 1} saved to {state}")
+    agreement.close()
 
 
 SLURM_CASE = ("slurm", "backup", "dataset", "launcher", (0,), 1, 6)

@@ -7,7 +7,9 @@ Fault injection (this test worker only): RECOVERY_TEST_KILL="restart:rank:epoch:
 that rank SIGKILL itself at the start of that step (0-based epoch and step) of launch number
 `restart` (TFDIST_RESTART). RECOVERY_TEST_GONE=FILE: the rank creates FILE just before it kills
 itself (the test's discovery script then reports one slot fewer: "its host is gone").
-RECOVERY_TEST_REFERENCE=1: launch 0 first trains uninterrupted (checkpoints in CKPT-reference,
+RECOVERY_TEST_BACK="restart:epoch": rank 0 deletes that FILE again at the start of that epoch of
+that launch (the host is back), and from then on takes 0.1 s a step, so that tfdist-run's grow
+watcher sees it within the epoch. RECOVERY_TEST_REFERENCE=1: launch 0 first trains uninterrupted (checkpoints in CKPT-reference,
 results in OUT/reference/).
 
 Each rank appends "restart size epoch" to OUT/epochs-rank<r>.log at every epoch start, and at
@@ -18,6 +20,7 @@ accuracy of the final weights (numpy forward pass on the held-out digits).
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
@@ -62,6 +65,15 @@ class Faults(keras.callbacks.Callback):
         if self.log_path:
             with open(self.log_path, "a") as f:
                 f.write(f"{self.restart} {self.size} {epoch}\n")
+        back = os.environ.get("RECOVERY_TEST_BACK", "")
+        if self.log_path and back and tuple(map(int, back.split(":"))) == (self.restart, epoch):
+            self.slow = True
+            if os.path.exists(os.environ["RECOVERY_TEST_GONE"]):
+                os.remove(os.environ["RECOVERY_TEST_GONE"])
+
+    def on_train_batch_end(self, batch, logs=None):
+        if getattr(self, "slow", False):
+            time.sleep(0.1)
 
     def on_train_batch_begin(self, batch, logs=None):
         if (self.epoch, batch) in self.plan:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 
 from tfdist import _compat, collectives, preemption
@@ -102,32 +103,53 @@ class _StopAtAgreedStep:
         if self._skip:
             _skip_trained_batches(self.model, self._skip)
         self.agreement = preemption.StepAgreement()
+        self._stop_at_epoch_end = False
 
     def on_train_batch_end(self, batch, logs=None):
         position = _position_of(self.model)
         if position is None or not self.agreement.stop_after(position.calls, self._ends_epoch):
             return
+        if self.agreement.at_epoch_end:
+            self._stop_at_epoch_end = True  # the epoch's end (validation, its saves) runs first
+            return
+        self._stop(position, logs, f"after epoch {position.epoch + 1}, batch {position.batches_done}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        position = _position_of(self.model)
+        if self._stop_at_epoch_end and position is not None:
+            self._stop(position, logs, f"at the end of epoch {epoch + 1}")
+
+    def _stop(self, position, logs, where):
         self.agreement.close()
         saved = _save_everything(self.model, self.fit_callbacks, position, logs)
-        where = f"epoch {position.epoch + 1}, batch {position.batches_done}"
         if saved:
-            what = f"saved after {where} by {'; '.join(saved)}"
+            what = f"saved {where} by {'; '.join(saved)}"
         else:
-            what = (f"nothing could be saved after {where}: this fit has no BackupAndRestore, ModelCheckpoint "
+            what = (f"nothing could be saved {where}: this fit has no BackupAndRestore, ModelCheckpoint "
                     "or tfdist Checkpointer, so a new run starts from the beginning")
         preemption.exit_preempted(what, saved=bool(saved))
 
     def _ends_epoch(self, calls):
-        """Whether train_function call number `calls` (of the fit) would end its epoch."""
+        """Whether train_function call number `calls` (of this fit) ends an epoch."""
         position = _position_of(self.model)
         steps = (self.params or {}).get("steps")
         if position is None or not steps:
             return False
         per_call = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
-        return position.batches_done + (calls - position.calls) * per_call >= steps
+        calls_per_epoch = math.ceil(steps / per_call)
+        in_epoch = math.ceil(position.batches_done / per_call) + (calls - position.calls)
+        return in_epoch > 0 and in_epoch % calls_per_epoch == 0
 
     def on_train_end(self, logs=None):
         self.agreement.close()
+        if collectives.process_rank() != 0:
+            return
+        for backup in (c for c in self.fit_callbacks if isinstance(c, _backup_classes())):
+            if getattr(backup, "delete_checkpoint", False):  # the fit is done: no position to resume
+                try:
+                    os.remove(os.path.join(backup.backup_dir, POSITION_FILE))
+                except OSError:
+                    pass
 
 
 def _Stop():
@@ -161,8 +183,10 @@ def _save_everything(model, callbacks, position, logs):
                 getattr(callback, _compat.KERAS3_SAVE_MODEL)()
             saved.append(f"BackupAndRestore ({callback.backup_dir})")
         elif isinstance(callback, _checkpoint_classes()):
-            getattr(callback, _compat.KERAS3_SAVE_MODEL)(epoch=position.epoch, batch=position.batches_done - 1,
-                                                         logs=dict(logs or {}))
+            at_epoch_end = position.batches_done == 0  # as Keras saves at an epoch's end
+            getattr(callback, _compat.KERAS3_SAVE_MODEL)(
+                epoch=position.epoch - 1 if at_epoch_end else position.epoch,
+                batch=None if at_epoch_end else position.batches_done - 1, logs=dict(logs or {}))
             saved.append(f"ModelCheckpoint ({callback.filepath})")
         elif callable(getattr(callback, "save_on_preemption", None)):
             path = callback.save_on_preemption(position.epoch, position.batches_done)

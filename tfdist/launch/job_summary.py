@@ -12,6 +12,8 @@ tfdist-run: job failed (exit status 1): rank 1 (host node07) failed: ValueError:
 
 Where the cause comes from, first match wins:
 
+0. the hang detector's line (`tfdist hang: ranks wait in different collectives ...`): the ranks
+   and what each waited in;
 1. the watchdog's line (`tfdist watchdog: rank R (host H, pid P) died | failed: ... | stopped
    responding ...`), which every survivor prints: the rank that failed first, whichever exited
    first (`tfdist.launch.recovery.analyse`, which also adds the launcher's exit code or signal);
@@ -63,7 +65,7 @@ def last_words(lines):
 def describe(code, lines, host_of_rank=None):
     """The first failing rank, its host and what happened to it, in words."""
     failure = recovery.analyse(code, lines, host_of_rank)
-    if any(_VERDICT.search(line) for line in lines):
+    if any(_VERDICT.search(line) or "tfdist hang: " in line for line in lines):
         return failure.cause
     words = last_words(lines)
     stopped = failure.cause.endswith(f"exited with code {STOPPED_CODE}")

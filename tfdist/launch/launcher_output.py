@@ -23,6 +23,16 @@ _TF_START_UP = re.compile(r"^(?:WARNING: All log messages before absl::Initializ
                           r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] "
                           r"|To enable the following instructions: )")
 _RANK_TAG = re.compile(r"^\[\d+(?:,\d+)?\]<std(?:out|err)>:")
+PREEMPTED_CODE = 75  # tfdist.preemption.EXIT_CODE (not imported: it loads TensorFlow)
+_PREEMPTED = re.compile(r"tfdist preemption: (.+?): every rank stopped together; (.+?)\. Exit code 75")
+
+
+def preempted(lines):
+    """(why, what was saved) from the ranks' graceful-stop line in the job's output, or None."""
+    for line in lines:
+        if m := _PREEMPTED.search(line):
+            return m[1], m[2]
+    return None
 
 
 def launcher_noise(argv):

@@ -29,11 +29,13 @@ import tempfile
 
 from tfdist.errors import TfdistError
 from tfdist.launch.hosts import parse_host_slots
-from tfdist.launch.launcher_output import TAIL_LINES, launcher_noise, run_once  # noqa: F401  (re-exported)
+from tfdist.launch.launcher_output import (  # noqa: F401  (re-exported)
+    PREEMPTED_CODE, TAIL_LINES, launcher_noise, preempted, run_once)
 
 RESTART_ENV = "TFDIST_RESTART"
 CAUSE_ENV = "TFDIST_RESTART_CAUSE"
 PROGRESS_ENV = "TFDIST_PROGRESS_FILE"
+CONTROL_ENV = "TFDIST_CONTROL_FILE"  # tfdist.preemption.CONTROL_ENV: tfdist-run asks the job to stop (grow back)
 
 # Errors that a relaunch would meet again at the same point: not worth a restart.
 DETERMINISTIC = ("SyntaxError", "ModuleNotFoundError", "ImportError", "RankMismatchError",
@@ -44,8 +46,7 @@ _HOROVOD_NAME = re.compile(r"^\s*Process name: (\S+)\s*$")
 _HOROVOD_CODE = re.compile(r"^\s*Exit code: (-?\d+)\s*$")
 _MPIRUN = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
 _SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
-PREEMPTED_CODE = 75  # tfdist.preemption.EXIT_CODE (not imported: it loads TensorFlow)
-_PREEMPTED = re.compile(r"tfdist preemption: (.+?): every rank stopped together; (.+?)\. Exit code 75")
+_HANG = re.compile(r"tfdist hang: ranks wait in different collectives for \d+ s .*?: (ranks? \d.+? \(host .+?)\. Every rank must")
 _TRACEBACK_LAST = re.compile(r"^(?:\[\d+\]<std\w+>:)?(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)): ")
 
 
@@ -166,7 +167,12 @@ def analyse(returncode, lines, host_of_rank=None):
         cause = f"{who} {_exit_words(code)}"
     else:
         cause = f"{who} {_exit_words(returncode)} (launcher exit status)"
-    failure = Failure(returncode, cause, rank, host)
+    hung = next((m for line in lines if (m := _HANG.search(line))), None)
+    if hung:  # the hang detector's line: no rank failed, they waited in different collectives
+        cause = f"ranks waited in different collectives: {hung[1]}"
+    failure = Failure(returncode, cause, rank if not hung else None, host if not hung else None)
+    if hung:
+        failure.retry, failure.why_not = False, "a hang in mismatched collectives happens again on every launch"
     text = "\n".join(lines)
     if 2 in (returncode, code) and re.search(r"^(?:\[\d+\]<std\w+>:)?usage: ", text, re.M) and "error:" in text:
         failure.retry, failure.why_not = False, "a usage error (the command line is wrong; fix it and rerun)"
@@ -176,14 +182,6 @@ def analyse(returncode, lines, host_of_rank=None):
             failure.retry = False
             failure.why_not = f"{m[1]} happens again on every launch: {line.strip()[:300]}"
     return failure
-
-
-def preempted(lines):
-    """(why, what was saved) from the ranks' graceful-stop line in the job's output, or None."""
-    for line in lines:
-        if m := _PREEMPTED.search(line):
-            return m[1], m[2]
-    return None
 
 
 def decide(failure, history, restarts_done, max_restarts):
@@ -337,7 +335,9 @@ def _loop(make_argv, np_, hosts, max_restarts, min_np, discovery_script, slurm_s
             return slurm_hosts(slurm_slots, base_env)
         return hosts
 
-    restart = 0
+    control_file = os.path.join(os.path.dirname(progress_file), "control.json")
+    restart = grows = 0  # launches after the first; of them, those that grew the job back
+    grew = False
     while True:
         try:
             np_now, hosts_now = plan_ranks(wanted, min_np, current_hosts(), global_batch)
@@ -346,23 +346,38 @@ def _loop(make_argv, np_, hosts, max_restarts, min_np, discovery_script, slurm_s
             log(f"error: {e}" + (f" (after {len(history)} failure(s); last: {history[-1].cause})"
                                  if history else ""))
             return 2
-        if restart:
-            log(f"restart {restart}/{max_restarts} after {cause}; relaunching on {np_now} rank(s)"
-                + (" on " + ",".join(f"{h}:{s}" for h, s in hosts_now) if hosts_now else ""))
+        where = " on " + ",".join(f"{h}:{s}" for h, s in hosts_now) if hosts_now else ""
+        if grew:
+            log(f"growing back: relaunching on {np_now} rank(s){where} after {cause}")
+        elif restart:
+            log(f"restart {restart - grows}/{max_restarts} after {cause}; relaunching on {np_now} rank(s){where}")
         log(" ".join(argv))
-        job_env = {**base_env, RESTART_ENV: str(restart), PROGRESS_ENV: progress_file}
+        job_env = {**base_env, RESTART_ENV: str(restart), PROGRESS_ENV: progress_file, CONTROL_ENV: control_file}
         if cause:
             job_env[CAUSE_ENV] = cause
+        watcher = None
+        if np_now < wanted and (discovery_script or slurm_slots):
+            from tfdist.launch.grow import GrowWatcher
+
+            watcher = GrowWatcher(control_file, lambda: plan_ranks(wanted, min_np, current_hosts(), global_batch)[0],
+                                  np_now, log).start()
         code, tail, stopped = run_once(argv, job_env, keep=launcher_noise(argv))
+        grew = watcher.stop() if watcher is not None else False
         if code == 0:
             if restart:
-                log(f"job finished after {restart} restart(s) on {np_now} rank(s)")
+                log(f"job finished after {restart - grows} restart(s)" + (f" and {grows} growth(s)" if grows else "")
+                    + f" on {np_now} rank(s)")
             return 0
         stop = preempted(tail)
-        if stop is not None and (stopped is not None or restart >= max_restarts):
+        grew = grew and stop is not None and stopped is None and "hosts for" in stop[0]
+        if grew:  # stopped at an epoch's end for more ranks: not a failure, no restart used
+            restart, grows = restart + 1, grows + 1
+            cause = f"the job stopped for it ({stop[1]})"
+            continue
+        if stop is not None and (stopped is not None or restart - grows >= max_restarts):
             log(f"job preempted ({stop[0]}; {stop[1]}); not restarting"
                 + (f": {signal_name(stopped)} was sent to tfdist-run" if stopped is not None
-                   else f" (restarts used up: {restart} of --max-restarts {max_restarts})")
+                   else f" (restarts used up: {restart - grows} of --max-restarts {max_restarts})")
                 + f". Exit status {PREEMPTED_CODE}: run the same command again to continue.")
             return PREEMPTED_CODE
         if stopped is not None:
@@ -374,7 +389,7 @@ def _loop(make_argv, np_, hosts, max_restarts, min_np, discovery_script, slurm_s
             continue
         failure = analyse(code, tail, lambda r, hosts_now=hosts_now, argv=argv: _host_of_rank(r, hosts_now, argv))
         failure.progress = read_progress(progress_file)
-        go, reason = decide(failure, history, restart, max_restarts)
+        go, reason = decide(failure, history, restart - grows, max_restarts)
         history.append(failure)
         at = "no checkpoint yet" if failure.progress is None else f"newest checkpoint: epoch {failure.progress}"
         if not go:

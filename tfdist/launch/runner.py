@@ -322,7 +322,8 @@ def _supervise(args, launcher, command, user_command):
             slurm_slots = -(-np_ // len(nodes))
         extra = shlex.split(args.launcher_args)
         if launcher == "mpirun":  # mpirun passes only the environment it is told to
-            extra += [a for name in (recovery.RESTART_ENV, recovery.CAUSE_ENV, recovery.PROGRESS_ENV)
+            extra += [a for name in (recovery.RESTART_ENV, recovery.CAUSE_ENV, recovery.PROGRESS_ENV,
+                                                   recovery.CONTROL_ENV)
                       for a in ("-x", name)]
             if not horovod_has_mpi():
                 raise UsageError(f"--launcher mpirun: {NO_MPI}")
