@@ -113,3 +113,55 @@ def test_unit_launcher_reads_the_preempted_line():
     assert recovery.preempted(lines) == ("SIGTERM on rank 1 (host n1)",
                                          "saved after epoch 2, batch 11 by BackupAndRestore (/b)")
     assert recovery.preempted(["Process name: 1", "Exit code: 75"]) is None
+
+
+ONE_PROCESS = """
+import os, signal, json
+import numpy as np
+import tfdist
+from tfdist.keras_flavour import keras_module
+keras = keras_module()
+strategy = tfdist.HorovodStrategy(tuning=False)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+seen = {}
+
+class Probe(keras.callbacks.Callback):
+    def __init__(self, action):
+        super().__init__()
+        self.action = action
+    def on_train_batch_end(self, batch, logs=None):
+        seen["during"] = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+        if batch == 1 and self.action == "raise":
+            raise ValueError("a user's error")
+        if batch == 1 and self.action == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+try:
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Probe("raise")])
+except ValueError:
+    pass
+seen["after_error"] = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+try:
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(os.environ["BACKUP"]), Probe("signal")])
+except SystemExit as stop:
+    seen["exit_code"] = stop.code
+seen["after_stop"] = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+seen["position"] = json.load(open(os.path.join(os.environ["BACKUP"], "tfdist_position.json")))
+print("RESULT " + json.dumps(seen), flush=True)
+os._exit(0)  # what is checked is above; interpreter shutdown is not this test's subject
+"""
+
+
+@pytest.mark.parametrize("flavor", ["keras3", "tf_keras"])
+def test_one_process_stops_at_once_and_gives_the_signals_back(tmp_path, flavor):
+    from conftest import python_results
+
+    seen = json.loads(python_results(ONE_PROCESS, env={**flavor_env(flavor), "BACKUP": str(tmp_path / "b")})[-1])
+    # caught only while fit runs; given back after a fit that raised and after the stop itself;
+    # one process stops right after the step it was signalled in (batch 2 of epoch 1)
+    assert seen == {"during": True, "after_error": True, "exit_code": 75, "after_stop": True,
+                    "position": {"epoch": 0, "batches_done": 2}}, seen

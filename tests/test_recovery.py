@@ -121,10 +121,23 @@ if k < int(sys.argv[2]):
 """
 
 
-def supervise_fake(tmp_path, failures, max_restarts, hosts_text=None, min_np=None):
+FAKE_PREEMPTED_JOB = """
+import os, sys
+k = int(os.environ["TFDIST_RESTART"])
+print("launch", k, flush=True)
+if k < int(sys.argv[2]):  # what horovodrun shows of ranks that stopped gracefully: exit 1, their line
+    print("[0]<stderr>:tfdist preemption: SIGTERM on rank 1 (host n2): every rank stopped together; saved after "
+          "epoch 1, batch %d by Checkpointer (c). Exit code 75 (preempted; resumable): run the same command again "
+          "to continue." % (k + 4), file=sys.stderr)
+    print("Process name: 1\\nExit code: 75", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def supervise_fake(tmp_path, failures, max_restarts, hosts_text=None, min_np=None, job_text=FAKE_JOB):
     """Run `recovery.supervise` in a child process on a fake job that fails `failures` times."""
     job = tmp_path / "job.py"
-    job.write_text(FAKE_JOB)
+    job.write_text(job_text)
     discovery = None
     if hosts_text is not None:
         discovery = tmp_path / "hosts.sh"
@@ -147,6 +160,19 @@ def test_unit_loop_relaunches_logs_causes_and_passes_the_restart(tmp_path):
     assert (f"tfdist-run: restart 1/2 after rank 1 (host {here}) was killed by SIGKILL (exit code 137) (newest checkpoint: "
             "epoch 1); relaunching on 2 rank(s)") in out.stderr
     assert "restart 2/2 after" in out.stderr and "job finished after 2 restart(s)" in out.stderr
+
+
+def test_unit_loop_resumes_a_preempted_job_as_long_as_restarts_last(tmp_path):
+    # only the ranks were signalled (tfdist-run was not): the allocation goes on, so resume
+    out = supervise_fake(tmp_path, failures=2, max_restarts=2, job_text=FAKE_PREEMPTED_JOB)
+    assert out.returncode == 0, out.stderr
+    assert ("tfdist-run: restart 1/2 after preemption (SIGTERM on rank 1 (host n2); saved after epoch 1, batch 4 "
+            "by Checkpointer (c)); relaunching on 2 rank(s)") in out.stderr
+    assert "restart 2/2 after preemption" in out.stderr and out.stdout.count("launch") == 3
+    used_up = supervise_fake(tmp_path, failures=3, max_restarts=2, job_text=FAKE_PREEMPTED_JOB)
+    assert used_up.returncode == 75, used_up.stderr
+    assert ("tfdist-run: job preempted (SIGTERM on rank 1 (host n2); saved after epoch 1, batch 6 by Checkpointer "
+            "(c)); not restarting (restarts used up: 2 of --max-restarts 2). Exit status 75") in used_up.stderr
 
 
 def test_unit_loop_gives_up_loudly(tmp_path):

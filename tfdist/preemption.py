@@ -147,7 +147,6 @@ class StepAgreement:
         self.signals = signals_from_environment() if signals is None else list(signals)
         self._previous = {}
         self._relayed = False
-        self._decided_locally = None
         if self.size > 1 and watchdog.running() is None and self.signals:
             log.warning("%s rank %d: no watchdog runs (watchdog=False), so a signal cannot be agreed on "
                         "across ranks; SIGTERM/SIGUSR1 keep their default action", MARK, self.rank)

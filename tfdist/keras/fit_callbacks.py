@@ -13,7 +13,8 @@ from tfdist.keras import fit_callbacks
 fit_callbacks.register("first", lambda model: MyPositionTracker())   # None: nothing for this model
 ```
 
-Models under other strategies are left alone. A `fit` wrapped by another library is wrapped
+A callback's `after_fit()`, if it has one, runs when `fit` returns or raises. Models under
+other strategies are left alone. A `fit` wrapped by another library is wrapped
 again on top (the callbacks are added to the `callbacks=` argument, by name or by position).
 """
 
@@ -51,16 +52,17 @@ def _patch(model_class, flavour):
 
 
 def callbacks_for(model, given):
-    """`given` (None, a list or a CallbackList's list) with this model's tfdist callbacks added."""
+    """(`given` with this model's tfdist callbacks added, those added). `given`: None or a list; a
+    CallbackList made by the caller is used as it is."""
     first = [c for c in (f(model) for f in _factories["first"]) if c is not None]
     last = [c for c in (f(model) for f in _factories["last"]) if c is not None]
     if not first and not last or not (given is None or isinstance(given, (list, tuple))):
-        return given  # a CallbackList made by the caller is used as it is
+        return given, []
     every = first + list(given or []) + last
     for callback in first + last:
         if hasattr(callback, "fit_callbacks"):
             callback.fit_callbacks = every  # those that act on the others (preemption saves) see them
-    return every
+    return every, first + last
 
 
 def _with_tfdist_callbacks(method):
@@ -74,10 +76,15 @@ def _with_tfdist_callbacks(method):
         if not recognise.is_tfdist_strategy(getattr(self, "distribute_strategy", None)):
             return method(self, *args, **kwargs)
         if "callbacks" in kwargs or position is None or len(args) < position:
-            kwargs["callbacks"] = callbacks_for(self, kwargs.get("callbacks"))
+            kwargs["callbacks"], added = callbacks_for(self, kwargs.get("callbacks"))
         else:
             args = list(args)
-            args[position - 1] = callbacks_for(self, args[position - 1])
-        return method(self, *args, **kwargs)
+            args[position - 1], added = callbacks_for(self, args[position - 1])
+        try:
+            return method(self, *args, **kwargs)
+        finally:  # also when fit raised, and on_train_end never ran (signal handlers given back)
+            for callback in added:
+                if callable(getattr(callback, "after_fit", None)):
+                    callback.after_fit()
 
     return fit

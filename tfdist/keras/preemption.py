@@ -140,6 +140,11 @@ class _StopAtAgreedStep:
         in_epoch = math.ceil(position.batches_done / per_call) + (calls - position.calls)
         return in_epoch > 0 and in_epoch % calls_per_epoch == 0
 
+    def after_fit(self):
+        agreement = getattr(self, "agreement", None)
+        if agreement is not None:
+            agreement.close()  # the signals' own handlers back, also after a fit that raised
+
     def on_train_end(self, logs=None):
         self.agreement.close()
         if collectives.process_rank() != 0:
