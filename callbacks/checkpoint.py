@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.callbacks._keras import Callback
-from tfdist import _compat, collectives, rank_variables
+from tfdist import _compat, _compat_state, collectives, rank_variables
 from tfdist.launch import recovery
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ class Checkpointer(Callback):
             variable.assign(value)
         self._restore_rank_state(choice["path"])
         batches_done = choice.get("batches_done", 0)
-        _compat.set_resume_epoch(self.model, choice["epoch"], batches_done)
+        _compat_state.set_resume_epoch(self.model, choice["epoch"], batches_done)
         if rank == 0:  # every rank holds the same state now: one line for the job
             log.warning("tfdist checkpoint: resumed %d rank(s) from %s (optimizer step %s); continuing at epoch %d%s",
                         size, choice["path"], choice.get("step"), choice["epoch"],
@@ -337,4 +337,4 @@ class Checkpointer(Callback):
 
     def on_train_end(self, logs=None):
         # Resuming applies to the fit that restored; a later fit on this model starts as asked.
-        _compat.clear_resume_epoch(self.model, restored=self.restored_from is not None)
+        _compat_state.clear_resume_epoch(self.model, restored=self.restored_from is not None)

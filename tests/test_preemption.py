@@ -150,7 +150,14 @@ try:
 except SystemExit as stop:
     seen["exit_code"] = stop.code
 seen["after_stop"] = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-seen["position"] = json.load(open(os.path.join(os.environ["BACKUP"], "tfdist_position.json")))
+
+class Counter(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        seen["resumed_from"] = int(self.model.optimizer.iterations.numpy())
+
+model.fit(x, y, batch_size=8, epochs=2, verbose=0,  # the same run again: it resumes after step 2
+          callbacks=[keras.callbacks.BackupAndRestore(os.environ["BACKUP"]), Counter()])
+seen["steps"] = int(model.optimizer.iterations.numpy())
 print("RESULT " + json.dumps(seen), flush=True)
 os._exit(0)  # what is checked is above; interpreter shutdown is not this test's subject
 """
@@ -162,6 +169,7 @@ def test_one_process_stops_at_once_and_gives_the_signals_back(tmp_path, flavor):
 
     seen = json.loads(python_results(ONE_PROCESS, env={**flavor_env(flavor), "BACKUP": str(tmp_path / "b")})[-1])
     # caught only while fit runs; given back after a fit that raised and after the stop itself;
-    # one process stops right after the step it was signalled in (batch 2 of epoch 1)
+    # one process stops right after the step it was signalled in (batch 2 of epoch 1), and the
+    # same fit again trains the 14 steps left of 2 epochs of 8 (the first fit that raised made 2 steps)
     assert seen == {"during": True, "after_error": True, "exit_code": 75, "after_stop": True,
-                    "position": {"epoch": 0, "batches_done": 2}}, seen
+                    "resumed_from": 4, "steps": 18}, seen

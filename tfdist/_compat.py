@@ -21,7 +21,8 @@ Other tfdist modules reach these internals only through the names below:
 - Keras: the classes tfdist patches (found through public names where one exists), the private
   methods it patches (`KERAS3_SAVE_MODEL`, `TF_KERAS_SUPPORTED_STRATEGIES`), `patch_method`, which
   installs a hook or raises `KerasHookError` naming the Keras version and the hook, and private
-  optimizer and model state (`optimizer_learning_rate`, `optimizer_built`, `set_resume_epoch`).
+  optimizer state (`optimizer_learning_rate`, `optimizer_built`). Where `fit` resumes and what
+  `BackupAndRestore` records are in `tfdist._compat_state`.
 - Horovod: its rendezvous HTTP server and slot plan (`horovod.runner`), in `rendezvous_classes`.
 """
 
@@ -122,10 +123,28 @@ def keras_version(flavour="keras3"):
         return f"{name} (version unknown: not importable)"
 
 
-def hook_error(hook, detail, flavour="keras3"):
-    return KerasHookError(
-        f"tfdist cannot install its {hook!r} hook on {keras_version(flavour)}: {detail}. Keras moved "
-        f"or changed what tfdist patches; tfdist was checked against {CHECKED_AGAINST}.")
+def hook_error(hook, detail, flavour="keras3", method=None):
+    """`KerasHookError` naming the hook, what is wrong and its cause: Keras changed, or (when
+    `method` is another library's wrapper over Keras' own) that library."""
+    wrapper = wrapper_origin(method)
+    cause = (f"another library wrapped it ({wrapper}) and the wrapper hides Keras' own method" if wrapper else
+             f"Keras moved or changed what tfdist patches; tfdist was checked against {CHECKED_AGAINST}")
+    return KerasHookError(f"tfdist cannot install its {hook!r} hook on {keras_version(flavour)}: {detail}. {cause}.")
+
+
+def wrapper_origin(method):
+    """Where a wrapper that is neither Keras' nor tfdist's own comes from ("module 'tracker'"), or None."""
+    while method is not None and hook_of(method):  # under tfdist's own hooks
+        method = getattr(method, "tfdist_original", None)
+    if method is None:
+        return None
+    module = getattr(method, "__module__", None) or "?"
+    if module.split(".")[0] not in ("keras", "tf_keras"):
+        return f"a wrapper from module {module!r}"
+    code = getattr(method, "__code__", None)
+    if hasattr(method, "__wrapped__") and code is not None:  # functools.wraps copied Keras' names
+        return f"a wrapper defined in {code.co_filename}"
+    return None
 
 
 def tf_keras_in_use():
@@ -194,17 +213,11 @@ def keras3_callback_classes(hook):
     return tuple(getattr(callbacks, n) for n in names)
 
 
-def tf_keras_model_checkpoint(hook):
-    cls = getattr(_import("tf_keras", hook, "tf_keras").callbacks, "ModelCheckpoint", None)
+def tf_keras_callback_class(name, hook):
+    """tf-keras' callback class `name` ("BackupAndRestore", "ModelCheckpoint")."""
+    cls = getattr(_import("tf_keras", hook, "tf_keras").callbacks, name, None)
     if cls is None:
-        raise hook_error(hook, "tf_keras.callbacks has no ModelCheckpoint", "tf_keras")
-    return cls
-
-
-def tf_keras_backup_and_restore(hook):
-    cls = getattr(_import("tf_keras", hook, "tf_keras").callbacks, "BackupAndRestore", None)
-    if cls is None:
-        raise hook_error(hook, "tf_keras.callbacks has no BackupAndRestore", "tf_keras")
+        raise hook_error(hook, f"tf_keras.callbacks has no {name}", "tf_keras")
     return cls
 
 
@@ -246,42 +259,6 @@ def optimizer_learning_rate(optimizer):
 def optimizer_built(optimizer):
     """Whether the optimizer has created its slots (`built` in Keras 3, `_built` in tf-keras)."""
     return bool(getattr(optimizer, "built", False) or getattr(optimizer, "_built", False))
-
-
-class _ResumeCounters:
-    """What tf-keras' fit asks for the epoch and step to start at (BackupAndRestore's hook)."""
-
-    def __init__(self, epoch, step=0):
-        self.epoch, self.step = epoch, step
-
-    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
-        return self.epoch, self.step
-
-
-RESUME_BATCHES = "_tfdist_resume_batches"  # model attribute: batches of the first epoch already trained
-
-
-def set_resume_epoch(model, epoch, batches_done=0):
-    """Make the running `fit` of `model` continue at `epoch`, after `batches_done` of its batches
-    (called from on_train_begin; `tfdist.keras.preemption` skips those batches' data)."""
-    if hasattr(model, "_maybe_load_initial_counters_from_ckpt"):  # tf-keras: its loop starts at that step
-        model._training_state = _ResumeCounters(epoch, batches_done)
-    else:  # Keras 3: every step runs; the first ones only read their data
-        model._initial_epoch = epoch
-    setattr(model, RESUME_BATCHES, int(batches_done))
-
-
-def loop_starts_at_resume_step(model):
-    """Whether `fit`'s loop itself starts at the resumed step (tf-keras) rather than at 0 (Keras 3)."""
-    return isinstance(getattr(model, "_training_state", None), _ResumeCounters)
-
-
-def clear_resume_epoch(model, restored):
-    """Undo `set_resume_epoch` at the end of that fit (`restored`: whether it was called)."""
-    if isinstance(getattr(model, "_training_state", None), _ResumeCounters):
-        model._training_state = None
-    elif restored and hasattr(model, "_initial_epoch"):
-        model._initial_epoch = None
 
 
 # --- Horovod ------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def install():
                          (TensorBoard, ["set_model"])):
         _compat.require_methods(cls, methods, HOOK)  # all checked before any is patched
     if _compat.tf_keras_in_use():
-        tf_keras_backup = _compat.tf_keras_backup_and_restore(HOOK)
+        tf_keras_backup = _compat.tf_keras_callback_class("BackupAndRestore", HOOK)
         _compat.require_methods(tf_keras_backup, ["on_train_begin"], HOOK, "tf_keras")
     _compat.patch_method(ModelCheckpoint, save_model, lambda m: _before(m, _checkpoint_to_scratch), HOOK)
     _compat.patch_method(BackupAndRestore, save_model, _chief_only, HOOK)

@@ -19,24 +19,21 @@ backup = keras.callbacks.BackupAndRestore("/scratch/run1/backup")   # save_freq=
 model.fit(ds, epochs=90, callbacks=[backup])   # SIGTERM: stops at a step, saves it, exits 75
 ```
 
-BackupAndRestore records its position in `<backup_dir>/tfdist_position.json` (epoch and batches
-done), written by the chief after each of its saves.
+BackupAndRestore's own backup records the position: Keras 3's `training_metadata.json` gets
+`tfdist_batches_done` beside its epoch, tf-keras' checkpoint its epoch and last batch.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 
-from tfdist import _compat, collectives, preemption
+from tfdist import _compat, _compat_state, collectives, preemption
 from tfdist.keras import fit_callbacks
 
 log = logging.getLogger("tfdist")
 
 HOOK = "preemption checkpoints"
-POSITION_FILE = "tfdist_position.json"
 
 _installed = []
 
@@ -49,7 +46,7 @@ def install():
     _, backup, _ = _compat.keras3_callback_classes(HOOK)
     _compat.patch_method(backup, _compat.KERAS3_SAVE_MODEL, _recording_position, HOOK)
     if _compat.tf_keras_in_use():
-        legacy_backup = _compat.tf_keras_backup_and_restore(HOOK)
+        legacy_backup = _compat.tf_keras_callback_class("BackupAndRestore", HOOK)
         _compat.patch_method(legacy_backup, _compat.TF_KERAS_BACKUP, _recording_position, HOOK, "tf_keras")
     fit_callbacks.register("first", lambda model: _Position())
     fit_callbacks.register("last", lambda model: _Stop())
@@ -99,7 +96,7 @@ class _StopAtAgreedStep:
     fit_callbacks = ()  # every callback of this fit (set by tfdist.keras.fit_callbacks)
 
     def on_train_begin(self, logs=None):
-        self._skip = _resume_position(self.model, self.fit_callbacks)
+        self._skip = _resume_position(self.model, self.fit_callbacks, (self.params or {}).get("steps"))
         if self._skip:
             _skip_trained_batches(self.model, self._skip)
         self.agreement = preemption.StepAgreement()
@@ -147,14 +144,6 @@ class _StopAtAgreedStep:
 
     def on_train_end(self, logs=None):
         self.agreement.close()
-        if collectives.process_rank() != 0:
-            return
-        for backup in (c for c in self.fit_callbacks if isinstance(c, _backup_classes())):
-            if getattr(backup, "delete_checkpoint", False):  # the fit is done: no position to resume
-                try:
-                    os.remove(os.path.join(backup.backup_dir, POSITION_FILE))
-                except OSError:
-                    pass
 
 
 def _Stop():
@@ -166,14 +155,14 @@ def _Stop():
 def _backup_classes():
     classes = [_compat.keras3_callback_classes(HOOK)[1]]
     if _compat.tf_keras_in_use():
-        classes.append(_compat.tf_keras_backup_and_restore(HOOK))
+        classes.append(_compat.tf_keras_callback_class("BackupAndRestore", HOOK))
     return tuple(classes)
 
 
 def _checkpoint_classes():
     classes = [_compat.keras3_callback_classes(HOOK)[0]]
     if _compat.tf_keras_in_use():
-        classes.append(_compat.tf_keras_model_checkpoint(HOOK))
+        classes.append(_compat.tf_keras_callback_class("ModelCheckpoint", HOOK))
     return tuple(classes)
 
 
@@ -200,65 +189,54 @@ def _save_everything(model, callbacks, position, logs):
 
 
 def _recording_position(method):
-    """BackupAndRestore's save, then (chief) the fit's position beside it; no save while the
-    first batches of a resumed epoch are only read (their weights are the restored ones)."""
+    """BackupAndRestore's save with the fit's position in Keras' own backup: Keras 3's metadata
+    gets the epoch in progress (it kept 0 after a resume) and the batches done of it; tf-keras'
+    checkpoint the epoch and last batch (its step count at the start of a call is wrong with
+    steps_per_execution). No save while a resumed epoch's first batches are only read."""
 
     def save(self, *args, **kwargs):
         position = _position_of(self.model)
         if position is None:
             return method(self, *args, **kwargs)
-        if getattr(self.model, _compat.RESUME_BATCHES, 0) > position.batches_done and position.batches_done:
-            return None
-        if hasattr(self, "_current_epoch"):
-            self._current_epoch = position.epoch  # Keras 3 keeps 0 after a resume until an epoch ends
-        result = method(self, *args, **kwargs)
-        if collectives.process_rank() == 0:
-            _write_position(self.backup_dir, position)
-        return result
+        if getattr(self.model, _compat_state.RESUME_BATCHES, 0) > position.batches_done and position.batches_done:
+            return None  # the restored weights are those after RESUME_BATCHES batches
+        if hasattr(self, "_training_metadata_path"):  # Keras 3
+            self._current_epoch = position.epoch
+            result = method(self, *args, **kwargs)
+            if collectives.process_rank() == 0:
+                _compat_state.add_backup_metadata(self, {_compat_state.BACKUP_BATCHES_KEY: position.batches_done})
+            return result
+        steps = (self.params or {}).get("steps")
+        if position.batches_done or steps:  # tf-keras: an epoch's end is its last batch
+            _compat_state.set_tf_keras_backup_position(
+                self, position.epoch if position.batches_done else position.epoch - 1,
+                position.batches_done - 1 if position.batches_done else steps - 1)
+        return method(self, *args, **kwargs)
 
     save.__name__ = method.__name__
     return save
 
 
-def _write_position(directory, position):
-    record = {"epoch": position.epoch, "batches_done": position.batches_done}
-    os.makedirs(directory, exist_ok=True)
-    scratch = os.path.join(directory, f".{POSITION_FILE}.tmp")
-    with open(scratch, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(scratch, os.path.join(directory, POSITION_FILE))
-
-
 # --- resuming --------------------------------------------------------------------------------------
 
-def _resume_position(model, callbacks):
-    """Batches of the first epoch to skip: a Checkpointer's (already set on the model) or the
-    position a restored BackupAndRestore recorded; 0 when this fit starts at an epoch's start."""
+def _resume_position(model, callbacks, steps):
+    """Batches of the first epoch to skip: a Checkpointer's (already set on the model), or the
+    position a restored BackupAndRestore holds; 0 when this fit starts at an epoch's start."""
     backups = [c for c in callbacks if isinstance(c, _backup_classes())]
-    record = None
-    if backups and collectives.process_rank() == 0:
-        try:
-            with open(os.path.join(backups[0].backup_dir, POSITION_FILE)) as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            record = None
-    if backups:
-        record = collectives.broadcast_object(record, name="tfdist.preemption.position")
-    if record and record.get("batches_done"):
-        _compat.set_resume_epoch(model, int(record["epoch"]), int(record["batches_done"]))
+    position = _compat_state.backup_position(backups[0], steps) if backups else None
+    if position and position[1]:
+        _compat_state.set_resume_epoch(model, *position)
         if collectives.process_rank() == 0:
             log.warning("%s resuming at epoch %d after its first %d batches (%s)", preemption.MARK,
-                        int(record["epoch"]) + 1, int(record["batches_done"]), backups[0].backup_dir)
-    return int(getattr(model, _compat.RESUME_BATCHES, 0) or 0)
+                        position[0] + 1, position[1], backups[0].backup_dir)
+    return int(getattr(model, _compat_state.RESUME_BATCHES, 0) or 0)
 
 
 def _skip_trained_batches(model, count):
     """Make the resumed epoch read, without training, the data of its first `count` batches."""
     original = model.train_function
     per_call = max(int(getattr(model, "steps_per_execution", 1) or 1), 1)
-    legacy = _compat.loop_starts_at_resume_step(model)
+    legacy = _compat_state.loop_starts_at_resume_step(model)
     remaining = [count]
 
     def read_only(iterator):
@@ -268,7 +246,7 @@ def _skip_trained_batches(model, count):
             remaining[0] = 0
         if remaining[0] <= 0:
             model.train_function = original
-            setattr(model, _compat.RESUME_BATCHES, 0)
+            setattr(model, _compat_state.RESUME_BATCHES, 0)
             return original(iterator)
         for _ in range(min(per_call, remaining[0])):
             next(iterator)
