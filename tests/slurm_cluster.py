@@ -117,7 +117,7 @@ SlurmdPort={self.slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={d / 'state'}
 SlurmdSpoolDir={d / 'spool'}
