@@ -166,6 +166,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             hang_detector.start()  # ranks that wait in different collectives: named, then stopped
         input_contract.agree_on_tf_seed()
         gradient_exchange.install_gradient_marker()
+        gradient_exchange.install_clipping_after_sum()
         device = options.device
         if gpu_lib.is_gpu_request(device):
             device = gpu_lib.require_gpu(device, collectives.rank(), collectives.local_rank())

@@ -16,7 +16,8 @@ Adasum (`op="adasum"`) replaces the optimizer's gradient sum only: tf-keras call
 `batch_reduce_to(SUM, grads_and_vars)` with the variables as destinations; Keras 3 sums gradients
 with `ReplicaContext.all_reduce(SUM, ...)` like synchronized BatchNormalization does its
 statistics, so `install_gradient_marker()` marks the optimizer's call. Compression
-(`tfdist.exchange.compression`) replaces the same sum, and only it.
+(`tfdist.exchange.compression`) replaces the same sum, and only it. Keras 3 clips gradients
+before that sum; `install_clipping_after_sum()` moves the clip after it.
 """
 
 import contextlib
@@ -25,10 +26,14 @@ import threading
 import tensorflow as tf
 
 from tfdist import _compat, collectives
+from tfdist.keras import recognise
 from tfdist.keras_flavour import legacy_requested
 
 GRADIENT_HOOK = "gradient-sum marker"
+CLIP_HOOK = "clipping after the gradient sum"
+CLIP_SETTINGS = ("clipnorm", "global_clipnorm", "clipvalue")
 _marked = threading.local()  # .gradients: inside Keras 3's optimizer gradient all-reduce
+_unpatched_clip = []  # Keras 3's own _clip_gradients, once install_clipping_after_sum ran
 
 
 def buckets(values, bucket_bytes):
@@ -130,9 +135,50 @@ def install_gradient_marker():
             _marked.variables = [v if isinstance(v, tf.Variable) else v.value for g, v in grads_and_vars
                                  if g is not None]
             try:
-                return original(self, grads_and_vars)
+                summed = original(self, grads_and_vars)
             finally:
                 _marked.gradients, _marked.variables = outer
+            if getattr(_marked, "clip_after_sum", None) is self:
+                _marked.clip_after_sum = None
+                clipped = _unpatched_clip[0](self, [g for g, _ in summed])
+                summed = [(g, v) for g, (_, v) in zip(clipped, summed)]
+            return summed
         return _all_reduce_sum_gradients
 
     _compat.patch_method(cls, "_all_reduce_sum_gradients", wrap, GRADIENT_HOOK)
+
+
+def install_clipping_after_sum():
+    """Make Keras 3 optimizers clip the summed gradient, not each rank's part of it.
+
+    Keras 3 clips (`clipnorm`, `global_clipnorm`, `clipvalue`) before its gradient all-reduce, so
+    on several ranks each rank's local gradient was clipped and the answer changed with the rank
+    count. Under a multi-rank tfdist strategy the clip now waits for the sum (the gradient-sum
+    marker applies it right after), as in one process and in tf-keras. It covers what goes
+    through that sum: Keras' own gradient accumulation, compression and Adasum (their result is
+    clipped). Gradients already summed (the LossScaleOptimizer hook) are clipped where Keras does.
+    """
+    if legacy_requested():
+        return  # tf-keras clips after its aggregation already
+    cls = _compat.keras3_tf_optimizer_class(CLIP_HOOK)
+    if _compat.hook_of(vars(cls).get("_clip_gradients")) == CLIP_HOOK:
+        return
+
+    def wrap(original):
+        _unpatched_clip.append(original)
+
+        def _clip_gradients(self, grads):
+            if any(getattr(self, name, None) for name in CLIP_SETTINGS) and _summed_afterwards():
+                _marked.clip_after_sum = self
+                return grads
+            return original(self, grads)
+        return _clip_gradients
+
+    _compat.patch_method(cls, "_clip_gradients", wrap, CLIP_HOOK)
+
+
+def _summed_afterwards():
+    """Whether the optimizer's next step all-reduces these gradients across several ranks."""
+    return (not is_reduced_already() and collectives.process_size() > 1
+            and tf.distribute.get_replica_context() is not None
+            and recognise.is_tfdist_strategy(tf.distribute.get_strategy()))

@@ -1,0 +1,40 @@
+"""Keras 3 gradient clipping sees the summed gradient: 2 and 4 ranks equal one process (1e-5).
+
+One launch per rank count of tests/multirank/clipping_checks.py (`clipnorm`, `global_clipnorm`,
+`clipvalue`, with a LossScaleOptimizer and with Keras' gradient accumulation), compared with the
+same fits in one plain process. Before, each rank clipped its own part of the gradient: after 2
+epochs the weights differed from one process by 0.17 on 2 ranks and 0.25 on 4.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, flavor_env, run_job
+
+WORKER = ROOT / "tests" / "multirank" / "clipping_checks.py"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clip-reference")
+    return run_job([WORKER, "--reference"], out, np=None, env=flavor_env("keras3"))[0]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_clipped_training_on_ranks_equals_one_process(reference, tmp_path, ranks):
+    results = run_job([WORKER], tmp_path, np=ranks, env=flavor_env("keras3"), timeout=600)
+    worst = {}
+    for case in results[0]:
+        expected = reference[case]
+        # the clip changes the training (else equality below would prove nothing)
+        assert _largest_difference(expected, reference[f"{case} unclipped"]) > 1e-2, case
+        for rank in range(ranks):
+            for mine, want in zip(results[rank][case], expected):
+                np.testing.assert_allclose(mine, want, atol=1e-5, err_msg=f"{case}, rank {rank} of {ranks}")
+        worst[case] = _largest_difference(results[0][case], expected)
+    print(f"\n{ranks} ranks, largest difference from one process per case: "
+          + ", ".join(f"{case} {value:.1e}" for case, value in worst.items()))
+
+
+def _largest_difference(a, b):
+    return max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a, b))
