@@ -22,10 +22,14 @@ strategies, and one-process jobs, are untouched.
 
 import functools
 import inspect
+import logging
 import warnings
 
 from tfdist import _compat, collectives
+from tfdist.errors import KerasHookError
 from tfdist.tuning import startup
+
+log = logging.getLogger("tfdist")
 
 HOOK = "chief-only progress bars"
 METHODS = ("fit", "evaluate", "predict")
@@ -33,15 +37,23 @@ METHODS = ("fit", "evaluate", "predict")
 KERAS_WARNING_MODULES = r"(keras|tf_keras)(\.|$)"
 
 _installed = set()
+_skipped = set()  # classes whose methods another library's wrapper hides (warned once)
 _filtered = []
 
 
 def install():
     """Wrap `fit`/`evaluate`/`predict` of Keras 3 and (if used) tf-keras models; on ranks other
-    than 0, ignore Keras' UserWarnings. Raises `KerasHookError` (naming the Keras version) if a
-    method moved."""
+    than 0, ignore Keras' UserWarnings. Only output depends on it: where it cannot be installed
+    (Keras moved a method, another library's wrapper hides its arguments) it warns once, naming
+    the cause, and the job goes on."""
     for model_class, flavour in _compat.model_classes(HOOK):
-        _patch(model_class, flavour)
+        try:
+            _patch(model_class, flavour)
+        except KerasHookError as e:  # only output is at stake: say so once, train on
+            if model_class not in _skipped:
+                _skipped.add(model_class)
+                log.warning("%s Every rank prints Keras' progress for this class's models; training is not "
+                            "affected.", e)
     if not _filtered and quieted():
         warnings.filterwarnings("ignore", category=UserWarning, module=KERAS_WARNING_MODULES)
         _filtered.append(True)
@@ -57,8 +69,10 @@ def _patch(model_class, flavour):
         return
     _compat.require_methods(model_class, METHODS, HOOK, flavour)  # all checked before any is patched
     for name in METHODS:
-        if "verbose" not in inspect.signature(getattr(model_class, name)).parameters:
-            raise _compat.hook_error(HOOK, f"{model_class.__name__}.{name}() takes no verbose argument", flavour)
+        method = getattr(model_class, name)
+        if "verbose" not in inspect.signature(method).parameters:
+            raise _compat.hook_error(HOOK, f"{model_class.__name__}.{name}() takes no verbose argument", flavour,
+                                     method)
     for name in METHODS:
         _compat.patch_method(model_class, name, _chief_only_progress, HOOK, flavour)
     _installed.add(model_class)
