@@ -14,6 +14,7 @@ screenshot kept in docs/images/.
 
 import ast
 import configparser
+import html
 import html.parser
 import inspect
 import os
@@ -175,8 +176,17 @@ def test_horovod_strategy_page_in_chromium(site, tmp_path):
 
     chromium = chromium_or_skip()
     url = (site / "api" / "strategy.html").as_uri()
+    dom = dump_dom(chromium, url, budget_ms=5000)
     parser = _Tables()
-    parser.feed(dump_dom(chromium, url, budget_ms=5000))
+    parser.feed(dom)
+    # Angle brackets in a docstring are text, not tags; the signature lists one parameter a line.
+    shown = html.unescape(re.sub(r"<[^>]+>", "", dom))
+    assert '"powersgd:<rank>"' in shown and '"topk:<density>"' in shown, "the compression values lost their <...>"
+    signature = re.search(r"HorovodStrategy\(\n(.*?)\n\)", shown, re.S)
+    assert signature, "no HorovodStrategy(...) signature on the page"
+    odd = [line for line in signature[1].splitlines()
+           if not re.fullmatch(r"    (\*|\w+: .+ = .+),", line)]
+    assert not odd, f"signature lines that are not 'name: type = default,': {odd}"
     # The docstring's Args: section, rendered as mkdocstrings' parameter table.
     tables = [t for t in parser.tables if t and t[0][:3] == ["Name", "Type", "Description"]
               and "Default" in t[0]]
