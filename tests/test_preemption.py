@@ -57,7 +57,10 @@ def _result(work, case, rank, kind):
 def test_preempted_job_saves_at_one_step_and_resumes_exactly(tmp_path, flavor):
     work = tmp_path / "work"
     outputs, signalled = {}, None
-    for phase in range(len(CASES)):
+    # tf-keras leaves out the last launch (it would resume the custom loop and stop the
+    # checkpoint-less fit: Keras-independent paths that Keras 3 covers)
+    phases = len(CASES) if flavor == "keras3" else len(CASES) - 1
+    for phase in range(phases):
         code, output, sent = _launch(phase, work, tmp_path / f"out{phase}", flavor)
         outputs[phase] = output
         signalled = sent or signalled
@@ -74,11 +77,13 @@ def test_preempted_job_saves_at_one_step_and_resumes_exactly(tmp_path, flavor):
     # tfdist-run passes SIGUSR1 on to horovodrun as SIGTERM, which horovodrun passes to every rank
     assert STOP_LINE.findall(outputs[2])[0][0] == "SIGTERM"
     assert STOP_LINE.findall(outputs[3])[0][:2] == ("SIGTERM", "1") and "loop-state.npz" in outputs[3]
-    assert "nothing could be saved" in STOP_LINE.findall(outputs[4])[0][2]
+    if flavor == "keras3":
+        assert "nothing could be saved" in STOP_LINE.findall(outputs[4])[0][2]
     assert "BackupAndRestore" in STOP_LINE.findall(outputs[0])[0][2]
     assert "Checkpointer" in STOP_LINE.findall(outputs[1])[0][2] and "ModelCheckpoint" in STOP_LINE.findall(outputs[1])[0][2]
 
-    for case in CASES[:4]:
+    resumed_cases = CASES[:phases - 1]
+    for case in resumed_cases:
         for rank in (0, 1):
             reference = _result(work, case + "-reference", rank, "finished")
             stopped = _result(work, case, rank, "stopped")
@@ -101,7 +106,7 @@ def test_preempted_job_saves_at_one_step_and_resumes_exactly(tmp_path, flavor):
     assert signalled is not None and launcher_stop["exit_time"] - signalled < 60
     print(f"\n{flavor}: launcher signal to exit {launcher_stop['exit_time'] - signalled:.2f} s; steps trained "
           f"per run: " + ", ".join(f"{c}: {_result(work, c, 0, 'stopped')['trained_to']}+"
-                                   f"{60 - _result(work, c, 0, 'stopped')['trained_to']}" for c in CASES[:4]))
+                                   f"{60 - _result(work, c, 0, 'stopped')['trained_to']}" for c in resumed_cases))
 
 
 def test_unit_launcher_reads_the_preempted_line():
