@@ -43,6 +43,8 @@ import sys
 import threading
 import time
 
+import tensorflow as tf
+
 from tfdist import collectives, watchdog
 from tfdist.errors import PreemptionError
 from tfdist.watchdog_support import host_name
@@ -147,6 +149,7 @@ class StepAgreement:
         self.signals = signals_from_environment() if signals is None else list(signals)
         self._previous = {}
         self._relayed = False
+        self._next_control_check = 0.0  # rank 0 reads tfdist-run's control file at most once a second
         if self.size > 1 and watchdog.running() is None and self.signals:
             log.warning("%s rank %d: no watchdog runs (watchdog=False), so a signal cannot be agreed on "
                         "across ranks; SIGTERM/SIGUSR1 keep their default action", MARK, self.rank)
@@ -207,7 +210,7 @@ class StepAgreement:
         """Rank 0: a stop that `tfdist-run` asks for in its control file (checked once a second)."""
         path = os.environ.get(CONTROL_ENV)
         now = time.monotonic()
-        if not path or now < getattr(self, "_next_control_check", 0.0):
+        if not path or now < self._next_control_check:
             return
         self._next_control_check = now + CONTROL_CHECK_SECONDS
         try:
@@ -257,8 +260,6 @@ class StepAgreement:
 def barrier(name="tfdist.preemption.saved"):
     """Wait until every rank got here (the chief's saves are finished before anyone exits)."""
     if collectives.process_size() > 1:
-        import tensorflow as tf
-
         collectives.allreduce([tf.zeros([1], tf.int32)], name=name)
 
 
