@@ -56,6 +56,7 @@ class Faults(keras.callbacks.Callback):
         super().__init__()
         self.log_path, self.restart, self.size = log_path, restart, size
         self.plan = kills(restart, rank) if log_path else set()  # the reference run is never hit
+        self.rank = rank
         self.epoch = None
         self.epochs = []
 
@@ -68,8 +69,8 @@ class Faults(keras.callbacks.Callback):
         back = os.environ.get("RECOVERY_TEST_BACK", "")
         if self.log_path and back and tuple(map(int, back.split(":"))) == (self.restart, epoch):
             self.slow = True
-            if os.path.exists(os.environ["RECOVERY_TEST_GONE"]):
-                os.remove(os.environ["RECOVERY_TEST_GONE"])
+            if self.rank == 0 and os.path.exists(os.environ["RECOVERY_TEST_GONE"]):
+                os.remove(os.environ["RECOVERY_TEST_GONE"])  # rank 0 only: two ranks would race
 
     def on_train_batch_end(self, batch, logs=None):
         if getattr(self, "slow", False):
