@@ -17,7 +17,6 @@ files. MWMS's behaviour is the contract: where HorovodStrategy differs, the test
 """
 
 import json
-import re
 import subprocess
 import sys
 from collections import Counter
@@ -84,25 +83,8 @@ def _launch(key, tmp_path_factory):
                        timeout=TIMEOUT)
     runner, flavor = key.split("-")
     if runner == "mwms":
-        found = run_mwms(base / "1", flavor_env(flavor))
-        if _mwms_collectives_diverged(found):
-            # The oracle's own flake: MWMS numbers its collectives per worker, and under a loaded
-            # CI machine its two workers once reached different collectives in the tutorial flow
-            # (2026-11-24: "Collective instance 879 expected type 1 ... but got type 2"; the same
-            # job alone passed 6 of 6; seen again at the same instance in a later CI run, reported
-            # without "aborted"). One fresh launch; a second divergence fails the tests.
-            found = run_mwms(base / "2", flavor_env(flavor))
-        return found
+        return run_mwms(base, flavor_env(flavor))
     return run_job([CHECKS, "--strategy", "horovod"], base, np=2, env=flavor_env(flavor), timeout=TIMEOUT)
-
-
-_MWMS_DIVERGED = re.compile(r"Collective ops is aborted|Collective instance \d+ expected type")
-
-
-def _mwms_collectives_diverged(found):
-    # Either worker may report it: the one that saw the other's collective, or the one aborted by it.
-    return any(_MWMS_DIVERGED.search(str(part.get("error", "")))
-               for worker in found.values() for part in worker.values() if isinstance(part, dict))
 
 
 def results(key, tmp_path_factory):

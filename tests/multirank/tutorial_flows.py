@@ -89,6 +89,11 @@ def tutorial_keras(run):
     model.save(write_model_path)
     if not is_chief(task_type, task_id):
         tf.io.gfile.rmtree(os.path.dirname(write_model_path))
+    if run.kind == "mwms":
+        # MWMS's save has no barrier, so the tutorial's load races the chief's write: a loaded CI
+        # machine saw worker 1 read a half-written model.keras ("file signature not found"), after
+        # which the workers' collectives diverged. tfdist's save ends with one; MWMS gets it here.
+        strategy.reduce(SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
     loaded = keras.models.load_model(model_path, custom_objects={"ExampleCount": ExampleCount})
     # Code written for one process saves from every worker, to one path, again and again. (MWMS
     # corrupts that file: its workers all write it, so the MWMS runner skips this part.)
