@@ -9,7 +9,7 @@ Other tfdist modules reach these internals only through the names below:
 - TensorFlow (lazy, so that `tfdist-run` never imports TensorFlow): the `tensorflow.python`
   modules `distribute_utils`, `one_device_strategy` and `input_util`, which `HorovodStrategy` is
   built from, `distributed_values`, `distributed_values_util` and `saveable_object`, which
-  `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `global_seed`, `compute_batch_size`,
+  `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `tf_function_class` and `tf_function_settings` (which `tfdist.xla` retraces), `global_seed`, `compute_batch_size`,
   `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`; the
   saving functions `tfdist.keras.chief_saves` wraps (`tf_saved_model_modules`, `tf_checkpoint_classes`)
   and a `CheckpointManager`'s private settings (`checkpoint_manager_settings`,
@@ -75,6 +75,21 @@ def in_xla_context(graph):
     from tensorflow.python.ops import control_flow_util
 
     return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def tf_function_class():
+    """The class `tf.function` returns (`Function`), whose `__call__` `tfdist.xla` wraps."""
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    return polymorphic_function.Function
+
+
+def tf_function_settings(function):
+    """(python function, the `tf.function` keyword arguments that made `function`)."""
+    return function._python_function, {
+        "input_signature": function.input_signature, "autograph": function._autograph,
+        "experimental_autograph_options": function._experimental_autograph_options,
+        "reduce_retracing": function._reduce_retracing, "jit_compile": function._jit_compile}
 
 
 def global_seed():

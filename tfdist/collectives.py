@@ -30,8 +30,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _compat, hang
-from tfdist.errors import HorovodNotAvailableError, XlaNotSupportedError
+from tfdist import _compat, hang, xla
+from tfdist.errors import HorovodNotAvailableError
 
 INSTALL_HINT = (
     "Install it into this environment with `tfdist-install-horovod` (builds Horovod 0.28.1 against "
@@ -170,6 +170,7 @@ def named(scope, kind=None, name=None):
         finally:
             hang.leave(mark)
     else:
+        check_not_in_xla(f"the collective {scope!r}")
         with tf.name_scope(scope):
             yield
 
@@ -369,7 +370,8 @@ def xla_ops_available():
     """Whether this Horovod build has XLA kernels for its collectives.
 
     tfdist's Horovod build (`tfdist-install-horovod`) leaves out `xla_mpi_ops.cc` (it does not
-    compile against TF 2.21), so `jit_compile=True` cannot contain a Horovod collective.
+    compile against TF 2.21), so `jit_compile=True` functions are compiled around the collectives
+    (`tfdist.xla`).
     """
     hvd_dir = os.path.dirname(horovod().__file__)
     for lib in glob.glob(os.path.join(hvd_dir, "tensorflow", "mpi_lib*.so")):
@@ -380,17 +382,14 @@ def xla_ops_available():
 
 
 def check_not_in_xla(what):
-    """Raise `XlaNotSupportedError` if the current trace is being compiled with XLA."""
-    graph = tf.compat.v1.get_default_graph()
-    if (
-        _compat.in_xla_context(graph)
-        and size() > 1
-        and not xla_ops_available()
-    ):
-        raise XlaNotSupportedError(
+    """Raise `xla.CollectiveInXlaError` for a collective traced under XLA's must-compile rule on 2+ ranks."""
+    if _compat.in_xla_context(tf.compat.v1.get_default_graph()) and size() > 1 and not xla_ops_available():
+        raise xla.CollectiveInXlaError(
             f"{what} needs a Horovod collective inside an XLA-compiled function "
-            "(jit_compile=True), but this Horovod build has no XLA ops: "
-            "horovod/tensorflow/xla_mpi_ops.cc does not compile against TensorFlow 2.21. "
-            "Compile without XLA (model.compile(..., jit_compile=False), the default with "
-            "HorovodStrategy), or run with a single rank."
+            "(jit_compile=True), and this Horovod build has no XLA ops (Horovod's xla_mpi_ops.cc "
+            "covers CUDA allreduce only and does not compile against TensorFlow 2.21). tfdist "
+            "compiles a jit_compile=True tf.function as XLA clusters around its collectives when "
+            "the function is called after HorovodStrategy() was made, but not in this use "
+            "(experimental_get_compiler_ir, a concrete function taken earlier, ...). Call the "
+            "tf.function itself after making the strategy, or compile without XLA."
         )

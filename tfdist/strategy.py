@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import collectives, consistency, hang_detector, input_contract
+from tfdist import collectives, consistency, hang_detector, input_contract, xla
 from tfdist import gpu as gpu_lib
 from tfdist import precision as precision_lib
 from tfdist import watchdog as watchdog_lib
@@ -167,6 +167,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         input_contract.agree_on_tf_seed()
         gradient_exchange.install_gradient_marker()
         gradient_exchange.install_clipping_after_sum()
+        if collectives.size() > 1 and not collectives.xla_ops_available():
+            xla.install()  # jit_compile=True: XLA clusters around the collectives
         device = options.device
         if gpu_lib.is_gpu_request(device):
             device = gpu_lib.require_gpu(device, collectives.rank(), collectives.local_rank())

@@ -44,6 +44,11 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         self._bucket_bytes = options.bucket_bytes
         self._check_variables = options.check_variables
         self.batch_convention = options.batch_convention
+        # As MWMS: ranks step through a distributed dataset together, and a rank whose shard ended
+        # early gets empty batches until every rank's has (TensorFlow's partial-batch handling,
+        # one small allreduce per batch). Without it, uneven FILE shards left the ranks' loops
+        # apart by a step. Keras 3's fit asks for it itself (get_next_as_optional).
+        self.experimental_enable_get_next_as_optional = collectives.size() > 1 and self.batch_convention == "global"
         self._variable_count = 0
         self._noted_unsharded = False
         self._noted_presharded = False

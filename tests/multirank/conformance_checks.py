@@ -1,7 +1,7 @@
 """tf.distribute conformance: one client program, written as a MirroredStrategy /
 MultiWorkerMirroredStrategy user writes it, run under three runners.
 
-    horovodrun -np 2 --gloo python tests/multirank/conformance_checks.py --strategy horovod --out DIR
+    horovodrun -np 2 --gloo python tests/multirank/conformance_checks.py --strategy horovod --out DIR   # or -np 4
     TF_CONFIG=... python tests/multirank/conformance_checks.py --strategy mwms --out DIR   # x 2 workers
     python tests/multirank/conformance_checks.py --strategy single --out DIR               # 1 process
 
@@ -19,9 +19,11 @@ keras_fit (fit on a dataset and on numpy), collectives (reduce, gather, all_redu
 InputContext), input (auto-shard policies; reduce/gather of iterator batches), evaluate_predict
 (uneven data), callbacks (ModelCheckpoint, TensorBoard, EarlyStopping, BackupAndRestore: who
 writes what), lazy_variables (variables created inside a traced strategy.run), variables
-(initial value, aggregation, sync-on-read). `single` skips the ones that need 2 replicas.
+(initial value, aggregation, sync-on-read), the tutorials' flows (tutorial_flows.py) and XLA
+(xla_flows.py). `single` skips the ones that need 2 replicas; `mwms` skips XLA. Any number of
+ranks (the suite runs 2 and 4).
 
-Debugging: `--only SCENARIO ...` runs a subset; `--batch-convention per_rank` builds
+`--only SCENARIO ...` runs a subset (the suite's 4-rank tf-keras launch runs the XLA ones); `--batch-convention per_rank` builds
 `HorovodStrategy(batch_convention="per_rank")`, which the suite must tell apart (its input and
 row-count checks fail).
 """
@@ -42,6 +44,7 @@ import tensorflow as tf  # noqa: E402
 
 from client_code import GLOBAL, build_model, dense, initial_values, local, make_data, seed_for, weights_of  # noqa: E402
 from tutorial_flows import TUTORIAL_SCENARIOS  # noqa: E402
+from xla_flows import XLA_SCENARIOS, dump_xla_modules  # noqa: E402
 
 keras = keras_module()
 
@@ -544,8 +547,10 @@ SCENARIOS = {
     "lazy_variables": lazy_variables,
     "variables": variable_semantics,
     **TUTORIAL_SCENARIOS,
+    **XLA_SCENARIOS,
 }
 SINGLE_SKIPS = ("collectives", "input", "variables")  # one replica: nothing to compare with; MWMS is the reference
+MWMS_SKIPS = tuple(XLA_SCENARIOS)  # the oracle for XLA is one process, which compiles the whole step
 
 
 def main():
@@ -558,6 +563,7 @@ def main():
     options = {"batch_convention": args.batch_convention} if args.batch_convention else {}
     strategy = make_strategy(args.strategy, options)
     run = Run(args.strategy, strategy, args.out)
+    dump_xla_modules(os.path.join(args.out, f"xla-{run.worker}"))
     install_write_audit(run)
     results = {
         "meta": {
@@ -572,7 +578,7 @@ def main():
     for name, scenario in SCENARIOS.items():
         if args.only and name not in args.only:
             continue
-        if args.strategy == "single" and name in SINGLE_SKIPS:
+        if name in {"single": SINGLE_SKIPS, "mwms": MWMS_SKIPS}.get(args.strategy, ()):
             continue
         start = time.time()
         try:
