@@ -118,6 +118,11 @@ def test_unit_launcher_reads_the_preempted_line():
     assert recovery.preempted(lines) == ("SIGTERM on rank 1 (host n1)",
                                          "saved after epoch 2, batch 11 by BackupAndRestore (/b)")
     assert recovery.preempted(["Process name: 1", "Exit code: 75"]) is None
+    # tfdist-run without restarts: the stop line makes it 75, also where the launcher exited 0
+    from tfdist.launch import job_summary
+
+    launcher = [sys.executable, "-c", f"import sys; print({lines[0]!r}, file=sys.stderr); sys.exit(0)"]
+    assert job_summary.run(launcher) == 75
 
 
 ONE_PROCESS = """

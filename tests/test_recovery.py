@@ -130,7 +130,7 @@ if k < int(sys.argv[2]):  # what horovodrun shows of ranks that stopped graceful
           "epoch 1, batch %d by Checkpointer (c). Exit code 75 (preempted; resumable): run the same command again "
           "to continue." % (k + 4), file=sys.stderr)
     print("Process name: 1\\nExit code: 75", file=sys.stderr)
-    sys.exit(1)
+    sys.exit(int(os.environ.get("FAKE_LAUNCHER_STATUS", "1")))  # horovodrun sent SIGTERM once exited 0
 """
 
 
@@ -173,6 +173,12 @@ def test_unit_loop_resumes_a_preempted_job_as_long_as_restarts_last(tmp_path):
     assert used_up.returncode == 75, used_up.stderr
     assert ("tfdist-run: job preempted (SIGTERM on rank 1 (host n2); saved after epoch 1, batch 6 by Checkpointer "
             "(c)); not restarting (restarts used up: 2 of --max-restarts 2). Exit status 75") in used_up.stderr
+    os.environ["FAKE_LAUNCHER_STATUS"] = "0"  # the ranks' stop line decides, whatever the launcher's status
+    try:
+        launcher_said_0 = supervise_fake(tmp_path, failures=3, max_restarts=2, job_text=FAKE_PREEMPTED_JOB)
+    finally:
+        del os.environ["FAKE_LAUNCHER_STATUS"]
+    assert launcher_said_0.returncode == 75 and "restart 2/2 after preemption" in launcher_said_0.stderr
 
 
 def test_unit_loop_gives_up_loudly(tmp_path):

@@ -90,9 +90,11 @@ def run(argv, host_of_rank=None, env=None):
     code, tail, stopped = launcher_output.run_once(argv, dict(os.environ if env is None else env),
                                                    keep=launcher_output.launcher_noise(argv))
     status = code if code >= 0 else 128 - code
-    if code == 0:
-        return 0
+    # The ranks' stop line decides, not the launcher's status: horovodrun, itself sent SIGTERM,
+    # exited 0 in one loaded run although both ranks had exited 75.
     stop = recovery.preempted(tail)
+    if code == 0 and stop is None:
+        return 0
     if stop is not None:
         print(f"tfdist-run: job preempted ({stop[0]}): {stop[1]}. Exit status {recovery.PREEMPTED_CODE}: "
               "run the same command again to continue.", file=sys.stderr, flush=True)

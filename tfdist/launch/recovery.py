@@ -363,12 +363,12 @@ def _loop(make_argv, np_, hosts, max_restarts, min_np, discovery_script, slurm_s
                                   np_now, log).start()
         code, tail, stopped = run_once(argv, job_env, keep=launcher_noise(argv))
         grew = watcher.stop() if watcher is not None else False
-        if code == 0:
+        stop = preempted(tail)  # before the status: horovodrun sent SIGTERM once exited 0 after the ranks' 75
+        if code == 0 and stop is None:
             if restart:
                 log(f"job finished after {restart - grows} restart(s)" + (f" and {grows} growth(s)" if grows else "")
                     + f" on {np_now} rank(s)")
             return 0
-        stop = preempted(tail)
         grew = grew and stop is not None and stopped is None and "hosts for" in stop[0]
         if grew:  # stopped at an epoch's end for more ranks: not a failure, no restart used
             restart, grows = restart + 1, grows + 1
