@@ -161,3 +161,17 @@ def test_checkpointer_resumes_error_feedback_exactly(keras_flavor, tmp_path_fact
     assert ranks[1]["resume/resumed"] == ranks[1]["resume/straight"]
     # the control: the same resume without the per-rank memories ends elsewhere
     assert r0["resume/without_rank_state"] != r0["resume/straight"]
+
+
+@pytest.mark.parametrize("compression", ["none", "topk", "powersgd"])
+def test_clipping_applies_to_the_exchanged_gradient(keras_flavor, compression, tmp_path_factory):
+    """Issue 30: with compression the optimizer clips what it applies, the decompressed sum. Had
+    each rank clipped its own part, the applied step would be a sum of two clipped parts: its norm
+    up to twice global_clipnorm, entries up to twice clipvalue."""
+    ranks = ranks_of(keras_flavor, tmp_path_factory)
+    got = {key.rsplit("/", 1)[1]: value for key, value in ranks[0].items() if key.startswith(f"clip/{compression}/")}
+    assert all(ranks[0][f"clip/{compression}/{k}"] == ranks[1][f"clip/{compression}/{k}"] for k in got)
+    unclipped = got["unclipped"]
+    assert unclipped["global_norm"] > 3 * 0.01 and unclipped["largest"] > 3 * 0.002  # both clips engage
+    assert got["global_clipnorm"]["global_norm"] == pytest.approx(0.01, rel=1e-4)
+    assert got["clipvalue"]["largest"] == pytest.approx(0.002, rel=1e-4)

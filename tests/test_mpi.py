@@ -120,6 +120,20 @@ def test_adasum_exchange_is_the_adasum_of_the_local_gradients(mpi, keras_flavor,
     assert not np.allclose(np.concatenate([np.ravel(t) for t in exchanged]), whole, rtol=1e-4)
 
 
+def test_adasum_with_global_clipnorm_clips_the_combined_gradient(mpi, keras_flavor, tmp_path_factory):
+    """Issue 30: the optimizer clips what it applies, the Adasum of the ranks' gradients (had each
+    rank clipped its own part first, the result would differ)."""
+    ranks, _ = mpi_results(keras_flavor, tmp_path_factory)
+    local = [ranks[r]["adasum_clipped_exchange"]["local"] for r in (0, 1)]
+    exchanged = ranks[0]["adasum_clipped_exchange"]["exchanged"]
+    assert ranks[1]["adasum_clipped_exchange"]["exchanged"] == exchanged
+    combined = [numpy_adasum(a, b) for a, b in zip(*local)]
+    norm = np.sqrt(sum(float(c @ c) for c in combined))
+    assert norm > 2 * 0.05  # the clip engages
+    for c, got in zip(combined, exchanged):
+        np.testing.assert_allclose(got, (c * 0.05 / norm).reshape(np.shape(got)), rtol=1e-4, atol=1e-7)
+
+
 def test_adasum_training_loss_falls(mpi, keras_flavor, tmp_path_factory):
     ranks, _ = mpi_results(keras_flavor, tmp_path_factory)
     fit = ranks[0]["adasum_fit"]

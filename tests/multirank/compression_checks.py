@@ -3,7 +3,8 @@
     horovodrun -np 2 --gloo python tests/multirank/compression_checks.py --out DIR
 
 Each rank writes DIR/rank<R>.json; tests/test_compression.py recomputes the compressors' steps
-in numpy from both ranks' inputs and compares, and compares the trained weights across ranks.
+in numpy from both ranks' inputs and compares, compares the trained weights across ranks, and
+checks that gradient clipping applies to the decompressed sum.
 """
 
 import os
@@ -119,6 +120,25 @@ def fit_checks(results):
     results["custom_loop/powersgd"] = {"final": weights(model), "state": len(strategy.compressor.state_variables())}
 
 
+CLIPS = {"global_clipnorm": 0.01, "clipvalue": 0.002}  # both far below this model's first gradient
+
+
+def clip_checks(results):
+    """One fit step of SGD(1.0) per compression and clip: the weights move by the applied gradient,
+    which must be clipped as a whole (global norm = the clip; no entry above clipvalue), not per rank."""
+    x, y = data()
+    for name, compression in (("none", None), ("topk", TopK(0.1, min_entries=64)), ("powersgd", "powersgd:2")):
+        for clip in ({}, *({key: value} for key, value in CLIPS.items())):
+            strategy = tfdist.HorovodStrategy(compression=compression, tuning=False)
+            model = model_for(strategy, lambda: keras.optimizers.SGD(1.0, **clip))
+            before = model.get_weights()
+            model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)  # one step
+            applied = np.concatenate([(b - a).ravel() for b, a in zip(before, model.get_weights())])
+            key = next(iter(clip), "unclipped")
+            results[f"clip/{name}/{key}"] = {"global_norm": float(np.linalg.norm(applied)),
+                                             "largest": float(np.abs(applied).max())}
+
+
 def resume_checks(rank, out, results):
     """Checkpointer saves each rank's error memories: a resumed run continues exactly."""
     x, y = data()
@@ -166,6 +186,7 @@ def main():
     compressor_steps(TopK(density=0.1, min_entries=16), rank, results, "topk")
     compressor_steps(PowerSGD(rank=12, min_compression_rate=0), rank, results, "powersgd_full")
     fit_checks(results)
+    clip_checks(results)
     resume_checks(rank, args.out, results)
     write_results(args.out, rank, results)
 

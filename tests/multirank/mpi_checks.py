@@ -8,7 +8,7 @@
 Each rank writes DIR/rank<R>.json: how it was launched (Horovod's controller,
 OMPI_COMM_WORLD_RANK), the weights, History and evaluation of an `op="average"` fit with a
 metric, and (not with --reference) one Adasum exchange (this rank's unscaled local gradients and
-the exchanged ones) and the losses of a short Adasum fit. tests/test_mpi.py compares them.
+the exchanged ones), the same with global_clipnorm, and the losses of a short Adasum fit. tests/test_mpi.py compares them.
 """
 
 import os
@@ -56,8 +56,12 @@ def average_fit(strategy):
             "evaluate": [float(v) for v in np.atleast_1d(evaluation)]}
 
 
-def adasum_exchange(strategy):
-    """One SGD(1.0) step of a custom loop: the weights move by exactly the exchanged gradient."""
+ADASUM_CLIP = 0.05  # global_clipnorm, well below the Adasum of this problem's first gradients
+
+
+def adasum_exchange(strategy, clip=None):
+    """One SGD(1.0) step of a custom loop: the weights move by exactly the exchanged gradient
+    (with `clip`, SGD(1.0, global_clipnorm=clip): the exchanged gradient, clipped)."""
     size, rng = strategy.size, np.random.default_rng(11)
     global_batch = PER_RANK_BATCH * size
     x = rng.normal(size=(global_batch, 4)).astype("float32")
@@ -65,7 +69,7 @@ def adasum_exchange(strategy):
     with strategy.scope():
         keras.utils.set_random_seed(5)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-        optimizer = keras.optimizers.SGD(1.0)
+        optimizer = keras.optimizers.SGD(1.0, global_clipnorm=clip)
         optimizer.build(model.trainable_variables)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
     batch_x, batch_y = next(iter(strategy.experimental_distribute_dataset(dataset)))
@@ -111,6 +115,7 @@ def main():
     if not args.reference:
         adasum = tfdist.HorovodStrategy(tuning=False, op="adasum")
         results["adasum_exchange"] = adasum_exchange(adasum)
+        results["adasum_clipped_exchange"] = adasum_exchange(adasum, clip=ADASUM_CLIP)
         results["adasum_fit"] = adasum_fit(adasum)
     write_results(args.out, strategy.rank, results)
 
