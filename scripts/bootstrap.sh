@@ -112,7 +112,8 @@ done
 want() {
   local mpi=gloo-only
   command -v mpicxx >/dev/null && mpi=mpi
-  local sources=("$ROOT/setup.cfg" "$0" "$ROOT/tfdist/install_horovod.py" "$ROOT/tfdist/horovod_toolchain.py")
+  local sources=("$ROOT/setup.cfg" "$0" "$ROOT/tfdist/install_horovod.py" "$ROOT/tfdist/horovod_toolchain.py"
+                 "$ROOT"/tfdist/horovod_patches/*.patch)
   echo "tf=$TF_VERSION-$STACK hvd=$HOROVOD_VERSION $mpi $(cat "${sources[@]}" | sha1sum | cut -c1-12)"
 }
 asked_before=$( [ -f "$STAMP" ] && sed -n 2p "$STAMP" || true)

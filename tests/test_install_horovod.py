@@ -1,4 +1,4 @@
-"""tfdist-install-horovod's plan (cache names, MPI, GPU stack, sdist fix) and bootstrap's package choice.
+"""tfdist-install-horovod's plan (cache names, MPI, GPU stack, patch set) and bootstrap's package choice.
 
 Fast: nothing here builds or installs. The install into a fresh environment, from the cached wheel,
 is tests/test_packaging.py::test_fresh_environment_installs_horovod_and_trains.
@@ -40,9 +40,12 @@ def plan(**kwargs):
     return ih.make_plan(**kwargs)
 
 
+CPU_PATCHES = toolchain.patches_digest(toolchain.source_patches(nccl=False))
+
+
 def test_cache_directories_are_bootstraps():
     with_mpi = plan(mpicxx="/usr/bin/mpicxx")
-    assert with_mpi.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}-mpi"
+    assert with_mpi.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}-p{CPU_PATCHES}-mpi"
     assert with_mpi.features() == ["TensorFlow", "Gloo", "MPI"]
     env = with_mpi.build_env(jobs=3)
     assert env["HOROVOD_WITH_MPI"] == "1" and "HOROVOD_WITHOUT_MPI" not in env
@@ -51,7 +54,7 @@ def test_cache_directories_are_bootstraps():
     assert env["HOROVOD_WITHOUT_PYTORCH"] == env["HOROVOD_WITHOUT_MXNET"] == "1"
 
     gloo_only = plan()
-    assert gloo_only.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}"
+    assert gloo_only.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}-p{CPU_PATCHES}"
     assert gloo_only.features() == ["TensorFlow", "Gloo"]
     assert gloo_only.build_env(jobs=1)["HOROVOD_WITHOUT_MPI"] == "1"
     assert any("Gloo only" in note for note in gloo_only.notes)
@@ -66,7 +69,8 @@ def test_mpi_yes_without_mpicxx_names_the_fix():
 def test_gpu_stack_builds_nccl_cached_apart():
     gpu = plan(gpu_stack=True, tf=("tensorflow", "2.21.0"), mpicxx="/usr/bin/mpicxx")
     assert gpu.nccl and gpu.features() == ["TensorFlow", "Gloo", "MPI", "NCCL"]
-    assert gpu.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}-mpi-nccl"
+    gpu_patches = toolchain.patches_digest(toolchain.source_patches(nccl=True))  # 0002 too
+    assert gpu.wheel_dir == f"/c/wheels/horovod-0.28.1-tf2.21.0-{PY}-p{gpu_patches}-mpi-nccl" and gpu_patches != CPU_PATCHES
     env = gpu.build_env(2)
     assert env["HOROVOD_GPU_OPERATIONS"] == "NCCL" and env["HOROVOD_NCCL_LINK"] == "SHARED"
     assert env["HOROVOD_CUDA_HOME"] == gpu.toolkit_dir and env["HOROVOD_NCCL_HOME"] == gpu.toolkit_dir + "/nccl"
@@ -101,16 +105,6 @@ def test_cuda_toolkit_is_assembled_from_the_wheels(tmp_path):
         toolchain.assemble_cuda_toolkit(str(dest), str(cu13), str(nccl))
 
 
-def test_gpu_sources_fix_as_gpu_stream_value(tmp_path):
-    ops = tmp_path / "horovod" / "tensorflow" / "mpi_ops.cc"
-    ops.parent.mkdir(parents=True)
-    ops.write_text("#if HAVE_GPU\n" + toolchain.AS_GPU_STREAM_DECLARATION + "#endif\n")
-    toolchain.patch_gpu_sources(str(tmp_path))
-    assert "platform_specific_handle().stream" in ops.read_text() and "GpuStreamHandle AsGpuStreamValue(Stream* stream);" not in ops.read_text()
-    with pytest.raises(toolchain.InstallError, match="does not declare AsGpuStreamValue"):
-        toolchain.patch_gpu_sources(str(tmp_path))
-
-
 def test_bootstrap_chooses_the_stack():
     for value, stack in (("1", "GPU (tensorflow[and-cuda], Horovod with NCCL): TFDIST_GPU=1"),
                          ("0", "CPU (tensorflow-cpu): TFDIST_GPU=0")):
@@ -124,16 +118,6 @@ def test_missing_tensorflow_names_the_extra(monkeypatch):
     monkeypatch.setattr(toolchain, "installed_version", lambda name: None)
     with pytest.raises(toolchain.InstallError, match=r"TensorFlow is not installed.*\[cpu\]"):
         ih.make_plan(cache_root="/c", mpicxx="")
-
-
-def test_sdist_fix_drops_xla_mpi_ops(tmp_path):
-    cmake = tmp_path / "horovod" / "tensorflow" / "CMakeLists.txt"
-    cmake.parent.mkdir(parents=True)
-    cmake.write_text("list(APPEND SOURCES\n    mpi_ops.cc\n    xla_mpi_ops.cc)\nadd_library(x)\n")
-    toolchain.patch_sdist(str(tmp_path))
-    assert cmake.read_text() == "list(APPEND SOURCES\n    mpi_ops.cc\nadd_library(x)\n"
-    with pytest.raises(toolchain.InstallError, match="does not list xla_mpi_ops.cc"):
-        toolchain.patch_sdist(str(tmp_path))
 
 
 def run_module(args, hidden=("tensorflow", "keras", "horovod", "tfdist"), env=None):
@@ -152,6 +136,7 @@ def test_runs_by_path_without_tensorflow_or_tfdist(tmp_path):
     assert "EXIT 0 TRIED []" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "TensorFlow 2.21.0" in out.stdout and f"would build a wheel into {tmp_path}/wheels/horovod-" in out.stdout
     assert "CMAKE_POLICY_VERSION_MINIMUM=3.5" in out.stdout
+    assert "patches: 0001-cmake-drop-xla-mpi-ops.patch, 0003-keras3-variables.patch" in out.stdout
 
 
 def test_cache_only_without_a_cached_wheel_fails_naming_the_folder(tmp_path):

@@ -1,5 +1,6 @@
 """What building Horovod 0.28.1 needs besides its sdist: pip, the build tools, the CUDA compiler
-toolkit assembled from NVIDIA's wheels for the NCCL build, and the fixes to Horovod's sources.
+toolkit assembled from NVIDIA's wheels for the NCCL build, and the patches to Horovod's sources
+(tfdist/horovod_patches/*.patch, applied in pure Python).
 
 Part of `tfdist-install-horovod` (`tfdist.install_horovod`). Standard library only, and nothing from
 tfdist: it runs by path too, before tfdist or TensorFlow is importable.
@@ -11,10 +12,13 @@ print(horovod_toolchain.nccl_build_env(plan))   # {} for a plan without NCCL
 """
 
 import glob
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from importlib import metadata
 
 PROG = "tfdist-install-horovod"
@@ -31,6 +35,8 @@ CUDA_COMPILER_DIR = "cuda-compiler-13.0.88"  # in the cache folder, beside wheel
 CUDA_CC_LIST = "75,80,90"
 # Where the NCCL wheel's libnccl.so.2 is, seen from horovod/tensorflow/mpi_lib*.so in site-packages.
 NCCL_RUNPATH = "$ORIGIN/../../nvidia/nccl/lib"
+# Unified diffs applied to Horovod's sdist before building, each with its reason (docs/INSTALL.md).
+PATCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_patches")
 BUILD_TOOLS = (("C++ compiler", ("g++", "c++")), ("cmake", ("cmake",)), ("make", ("make",)))
 # Notes this machine's extra local pip indexes print for every package: not worth showing.
 PIP_NOISE = "is ignored: it is neither a file nor a directory"
@@ -191,50 +197,158 @@ def ensure_build_requirements():
         pip(["install", "-q", *want])
 
 
-# TF 2.21 no longer exports stream_executor::gpu::AsGpuStreamValue, which Horovod's GPU code declares
-# and calls: the library would not load. The fix reads the CUDA stream from the Stream itself.
-AS_GPU_STREAM_DECLARATION = """// Forward declaration of AsGpuStreamValue
-namespace stream_executor {
-namespace gpu {
-GpuStreamHandle AsGpuStreamValue(Stream* stream);
-} // namespace stream_executor
-} // namespace gpu
-#if TENSORFLOW_VERSION >= 2011000000
-#include "tensorflow/compiler/xla/stream_executor/stream.h"
-#else
-#include "tensorflow/stream_executor/stream.h"
-#endif // TENSORFLOW_VERSION >= 2011000000
-"""
-AS_GPU_STREAM_DEFINITION = """#include "tensorflow/compiler/xla/stream_executor/stream.h"
-// tfdist: TensorFlow 2.21 does not export AsGpuStreamValue; the Stream knows its CUDA stream.
-namespace stream_executor {
-namespace gpu {
-inline GpuStreamHandle AsGpuStreamValue(Stream* stream) {
-  return static_cast<GpuStreamHandle>(stream->platform_specific_handle().stream);
-}
-} // namespace gpu
-} // namespace stream_executor
-"""
+class Hunk:
+    """One `@@ -start,count +start,count @@` block of a unified diff: the lines it expects and writes."""
+
+    def __init__(self, header, old_start):
+        self.header, self.old_start, self.old, self.new = header, old_start, [], []
 
 
-def patch_gpu_sources(src):
-    """The GPU build's fix to horovod/tensorflow/mpi_ops.cc (see AS_GPU_STREAM_DECLARATION)."""
-    path = os.path.join(src, "horovod", "tensorflow", "mpi_ops.cc")
-    with open(path) as f:
-        text = f.read()
-    if text.count(AS_GPU_STREAM_DECLARATION) != 1:
-        raise InstallError(f"{path} does not declare AsGpuStreamValue as expected: not Horovod {HOROVOD_VERSION}?")
-    with open(path, "w") as f:
-        f.write(text.replace(AS_GPU_STREAM_DECLARATION, AS_GPU_STREAM_DEFINITION))
+def parse_patch(path):
+    """(header fields, [(source path, [Hunk])]) of a patch file: free text with `Name: value` lines,
+    then `git diff`-style unified diffs (`--- a/<path>` / `+++ b/<path>`, paths under the sdist)."""
+    lines = _read_lines(path)
+    fields, files, i = {}, [], 0
+    while i < len(lines) and not lines[i].startswith(("diff --git ", "--- ")):
+        match = re.match(r"([A-Z][\w-]*): (.*)", lines[i])
+        if match:
+            fields.setdefault(match.group(1), match.group(2).strip())
+        i += 1
+    while i < len(lines):
+        if not (lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")):
+            i += 1
+            continue
+        target = lines[i + 1][4:].split("\t")[0].strip()
+        if lines[i][4:].strip() == "/dev/null" or target == "/dev/null":
+            raise InstallError(f"{path}: creates or deletes {target}; only changes to existing files are supported")
+        hunks, i = [], i + 2
+        while i < len(lines) and lines[i].startswith("@@"):
+            match = re.match(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@", lines[i])
+            if not match:
+                raise InstallError(f"{path}: line {i + 1} is not a hunk header: {lines[i].rstrip()}")
+            hunk = Hunk(lines[i].rstrip(), int(match.group(1)))
+            old_left, new_left = int(match.group(2) or 1), int(match.group(3) or 1)
+            last, i = None, i + 1
+            while old_left or new_left or (i < len(lines) and lines[i].startswith("\\")):
+                if i == len(lines):
+                    raise InstallError(f"{path}: {target}: hunk {hunk.header} ends early")
+                line = lines[i]
+                kind, text = (line[0], line[1:]) if line not in ("\n", "") else (" ", "\n")
+                if kind == "\\" and last:  # "\ No newline at end of file": the line before has none
+                    for side in ([hunk.old] if last == "-" else [hunk.new] if last == "+" else [hunk.old, hunk.new]):
+                        side[-1] = side[-1].rstrip("\n")
+                    last = None
+                elif kind in " -+":
+                    last = kind
+                    if kind in " -":
+                        hunk.old.append(text)
+                        old_left -= 1
+                    if kind in " +":
+                        hunk.new.append(text)
+                        new_left -= 1
+                else:
+                    raise InstallError(f"{path}: {target}: unexpected line {i + 1} in hunk {hunk.header}")
+                i += 1
+            hunks.append(hunk)
+        files.append((target[2:] if target.startswith("b/") else target, hunks))
+    if not files:
+        raise InstallError(f"{path} holds no unified diff (no `--- a/<file>` / `+++ b/<file>` lines)")
+    return fields, files
 
 
-def patch_sdist(src):
-    """Leave xla_mpi_ops.cc out of the TensorFlow extension (it does not compile against TF 2.21)."""
-    path = os.path.join(src, "horovod", "tensorflow", "CMakeLists.txt")
-    with open(path) as f:
-        lines = f.readlines()
-    kept = [line for line in lines if "xla_mpi_ops.cc" not in line]
-    if len(kept) == len(lines):
-        raise InstallError(f"{path} does not list xla_mpi_ops.cc: not Horovod {HOROVOD_VERSION}'s sdist?")
-    with open(path, "w") as f:
-        f.writelines(kept)
+def _read_lines(path):
+    """A file's lines, each with its "\n" (split there only: form feeds and "\r" stay inside lines)."""
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        return re.findall(r"[^\n]*\n|[^\n]+\Z", f.read())
+
+
+def _find(lines, wanted, near, lowest):
+    """The position nearest `near`, at or after `lowest`, where `wanted` lines stand in `lines`
+    (an exact match), or None."""
+    spots = [at for at in range(lowest, len(lines) - len(wanted) + 1) if lines[at:at + len(wanted)] == wanted]
+    return min(spots, key=lambda at: abs(at - near)) if spots else None
+
+
+def apply_patch(path, src):
+    """Apply one patch file to the unpacked sdist in `src`, in pure Python (no `patch` binary).
+
+    Every hunk's context and removed lines must match exactly (at its line or shifted, as `patch`
+    allows, never fuzzily); nothing is written unless every file of the patch applies. Raises
+    InstallError naming the patch, the source file and the hunk otherwise."""
+    name = os.path.basename(path)
+    _, files = parse_patch(path)
+    results = {}
+    for target, hunks in files:
+        source = os.path.join(src, target)
+        if source not in results:
+            if not os.path.isfile(source):
+                raise InstallError(f"patch {name} does not apply: {target} is not in the sdist ({src})")
+            results[source] = _read_lines(source)
+        lines, shift, lowest = results[source], 0, 0
+        for number, hunk in enumerate(hunks, 1):
+            expected = max(hunk.old_start - 1, 0) + shift
+            at = _find(lines, hunk.old, expected, lowest)
+            if at is None:
+                excerpt = "".join("    " + line for line in hunk.old[:8]).rstrip()
+                raise InstallError(
+                    f"patch {name} does not apply to {target}: hunk {number} ({hunk.header}) expects, near "
+                    f"line {expected + 1}:\n{excerpt}\nIs this Horovod {HOROVOD_VERSION}'s sdist, unchanged? "
+                    f"Remove or update {path} (a patch applies once, to the pristine sdist).")
+            lines[at:at + len(hunk.old)] = hunk.new
+            shift = at - (hunk.old_start - 1) + len(hunk.new) - len(hunk.old)
+            lowest = at + len(hunk.new)
+    for source, lines in results.items():
+        with open(source, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+            f.writelines(lines)
+
+
+def source_patches(nccl, folder=None):
+    """The patch files this build applies, in name order: `Build: all` ones, and `Build: nccl` ones
+    for NCCL builds."""
+    folder = folder or PATCH_DIR
+    paths = sorted(glob.glob(os.path.join(folder, "*.patch")))
+    if not paths:
+        raise InstallError(f"no Horovod patches in {folder}: a broken tfdist install? Reinstall tfdist.")
+    chosen = []
+    for path in paths:
+        build = parse_patch(path)[0].get("Build", "")
+        if build not in ("all", "nccl"):
+            raise InstallError(f"{path}: its header needs `Build: all` or `Build: nccl`, not {build!r}")
+        if build == "all" or nccl:
+            chosen.append(path)
+    return chosen
+
+
+def patches_digest(paths):
+    """8 hex digits naming a patch set (file names and contents): part of the wheel cache's folder
+    name, so a wheel built with other patches is never reused."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()[:8]
+
+
+def download_sdist(cache_root):
+    """Horovod's sdist from PyPI, kept in the cache folder (3.5 MB) for rebuilds and the patch tests."""
+    folder = os.path.join(cache_root, "sdist")
+    path = os.path.join(folder, f"horovod-{HOROVOD_VERSION}.tar.gz")
+    if not os.path.isfile(path):
+        os.makedirs(folder, exist_ok=True)
+        pip(["download", "-q", "--no-deps", "--no-binary", ":all:", f"horovod=={HOROVOD_VERSION}", "-d", folder])
+    return path
+
+
+def unpack_sdist(sdist, work):
+    """Unpack the sdist into `work`; returns its source folder."""
+    with tarfile.open(sdist) as tar:
+        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(work, **kwargs)
+    return os.path.join(work, f"horovod-{HOROVOD_VERSION}")
+
+
+def patch_sdist(src, paths):
+    """Apply `paths` in order; returns their names."""
+    for path in paths:
+        apply_patch(path, src)
+    return [os.path.basename(path) for path in paths]

@@ -13,11 +13,13 @@ the environment of the Python running it (`sys.executable`):
 
 1. It finds the installed TensorFlow (from `tfdist[cpu]` or `tfdist[gpu]`), builds with MPI as
    well as Gloo where an MPI compiler (`mpicxx`) is on the PATH, and notes the GPU stack.
-2. It reuses the wheel cached in `$TFDIST_CACHE/wheels/horovod-0.28.1-tf<TF>-cp<py>[-mpi]/`
-   (default `~/.cache/tfdist`; scripts/bootstrap.sh uses the same cache), or builds one from the
-   PyPI sdist (once, about 10 minutes), with `--no-build-isolation` and two fixes:
-   `CMAKE_POLICY_VERSION_MINIMUM=3.5` (CMake 4 rejects the vendored Gloo otherwise) and without
-   `horovod/tensorflow/xla_mpi_ops.cc` (it does not compile against TF 2.21's XLA headers).
+2. It reuses the wheel cached in `$TFDIST_CACHE/wheels/horovod-0.28.1-tf<TF>-cp<py>-p<patches>[-mpi]/`
+   (default `~/.cache/tfdist`; scripts/bootstrap.sh uses the same cache; `<patches>` is a digest
+   of the patch set, so a wheel built with other patches is not reused), or builds one from the
+   PyPI sdist (once, about 10 minutes), with `--no-build-isolation`,
+   `CMAKE_POLICY_VERSION_MINIMUM=3.5` (CMake 4 rejects the vendored Gloo otherwise) and the
+   patches in tfdist/horovod_patches/ applied to the sdist (docs/INSTALL.md lists them: without
+   `xla_mpi_ops.cc`, which does not compile against TF 2.21's XLA headers, and Keras 3 support).
    With the GPU stack (`tensorflow[and-cuda]`, or `--gpu yes`) it builds Horovod's NCCL operations
    too, cached apart (`...-nccl`): see `cuda_toolkit()` and docs/GPU.md.
 3. It installs the wheel and Horovod's runtime dependencies with this Python's pip, then checks
@@ -35,7 +37,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tarfile
 import tempfile
 import time
 
@@ -61,6 +62,8 @@ class Plan:
     nccl: bool
     cache_root: str
     notes: list = dataclasses.field(default_factory=list)
+    patches: list = dataclasses.field(default_factory=list)  # the patch files this build applies
+    patch_digest: str = ""  # of their names and contents when planned (toolchain.patches_digest)
 
     @property
     def toolkit_dir(self):
@@ -70,8 +73,9 @@ class Plan:
     @property
     def wheel_dir(self):
         features = ("-mpi" if self.mpi else "") + ("-nccl" if self.nccl else "")
-        return os.path.join(self.cache_root, "wheels",
-                            f"horovod-{toolchain.HOROVOD_VERSION}-tf{self.tf_version}-{self.python_tag}{features}")
+        patches = f"-p{self.patch_digest}" if self.patch_digest else ""
+        return os.path.join(self.cache_root, "wheels", f"horovod-{toolchain.HOROVOD_VERSION}-tf{self.tf_version}-"
+                                                       f"{self.python_tag}{patches}{features}")
 
     def features(self):
         """What `horovodrun -cb` must list for this build."""
@@ -87,10 +91,11 @@ class Plan:
         return env
 
 
-def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None, gpu="auto"):
+def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None, gpu="auto", patch_dir=None):
     """Detect TensorFlow, MPI and the GPU stack in this environment (each overridable for tests).
 
-    gpu: auto (NCCL where the GPU stack is installed), yes (NCCL, required), no (never NCCL)."""
+    gpu: auto (NCCL where the GPU stack is installed), yes (NCCL, required), no (never NCCL);
+    patch_dir: where the patch files are (default tfdist/horovod_patches)."""
     notes = []
     if tf is None:
         found = [(name, toolchain.installed_version(name)) for name in TF_DISTRIBUTIONS]
@@ -121,8 +126,9 @@ def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None,
     if gpu_stack and not nccl:
         notes.append("--gpu no: Horovod without NCCL; GPU tensors are reduced by Gloo/MPI through host memory")
     python_tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    patches = toolchain.source_patches(nccl, patch_dir)
     return Plan(tf[0], tf[1], python_tag, with_mpi, mpicxx or "", gpu_stack, nccl,
-                cache_root or toolchain.default_cache(), notes)
+                cache_root or toolchain.default_cache(), notes, patches, toolchain.patches_digest(patches))
 
 
 def cached_wheel(plan):
@@ -134,19 +140,15 @@ def build(plan, jobs):
     """Build the patched wheel into plan.wheel_dir; returns its path."""
     toolchain.check_build_tools(plan)
     toolchain.ensure_build_requirements()
+    sdist = toolchain.download_sdist(plan.cache_root)
     os.makedirs(os.path.dirname(plan.wheel_dir), exist_ok=True)
     work = tempfile.mkdtemp(prefix="tfdist-horovod-")
     out = tempfile.mkdtemp(prefix=os.path.basename(plan.wheel_dir) + ".tmp-", dir=os.path.dirname(plan.wheel_dir))
     try:
-        toolchain.pip(["download", "-q", "--no-deps", "--no-binary", ":all:", f"horovod=={toolchain.HOROVOD_VERSION}", "-d", work])
-        (sdist,) = glob.glob(os.path.join(work, f"horovod-{toolchain.HOROVOD_VERSION}.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tar.extractall(work, **kwargs)
-        src = os.path.join(work, f"horovod-{toolchain.HOROVOD_VERSION}")
-        toolchain.patch_sdist(src)
+        src = toolchain.unpack_sdist(sdist, work)
+        applied = toolchain.patch_sdist(src, plan.patches)
+        toolchain.say(f"applied {len(applied)} patches to the sdist: {', '.join(applied)}")
         if plan.nccl:
-            toolchain.patch_gpu_sources(src)
             toolchain.cuda_toolkit(plan)
         env = {**os.environ, **plan.build_env(jobs)}
         toolchain.pip(["wheel", "-q", "--no-build-isolation", "--no-deps", "-w", out, "."], cwd=src, env=env)
@@ -216,6 +218,7 @@ def run(args):
         toolchain.say(f"would {action}, install it, and check that horovodrun -cb lists {', '.join(plan.features())}")
         if not wheel:
             toolchain.say("build settings: " + " ".join(f"{k}={v}" for k, v in plan.build_env(args.jobs).items()))
+            toolchain.say("patches: " + ", ".join(os.path.basename(path) for path in plan.patches))
         return 0
     if wheel:
         toolchain.say(f"reusing the cached wheel {wheel} (no rebuild)")
