@@ -72,6 +72,13 @@ def test_two_gpu_ranks_give_the_one_process_weights(tmp_path_factory):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
 
 
+def test_xla_on_two_gpu_ranks_gives_the_one_process_weights(tmp_path_factory):
+    ranks, reference = gpu_job(tmp_path_factory)
+    assert ranks[0]["xla_weights"] == ranks[1]["xla_weights"]
+    for a, b in zip(ranks[0]["xla_weights"], reference["xla_weights"]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
 def test_auto_precision_is_mixed_float16_on_tensor_core_gpus(tmp_path_factory):
     ranks, _ = gpu_job(tmp_path_factory)
     capability = tuple(ranks[0]["facts"]["in_effect"]["gpus"][0]["compute_capability"])
@@ -98,3 +105,15 @@ def test_benchmark_amp_path_runs_on_gpus(tmp_path):
     data = json.loads(result.read_text())
     assert data["total_images_per_sec"] > 0 and "precision: mixed_float16" in data["header"][2]
     assert any(line.startswith("In effect") and "GPU " in line for line in data["header"])
+
+
+def test_benchmark_xla_path_runs_on_gpus(tmp_path):
+    """NVIDIA's ResNet50 recipe (AMP + XLA) on 2 ranks: XLA compiles around the allreduce."""
+    result = tmp_path / "bench.json"
+    command = [str(BIN / "tfdist-run"), "-np", "2", str(BIN / "tfdist-benchmark"), "--model", "resnet50_v1.5",
+               "--device", "gpu", "--precision", "fp16", "--xla", "--batch_size", "64", "--num_warmup_batches", "3",
+               "--num_batches", "10", "--json", str(result)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(result.read_text())
+    assert data["total_images_per_sec"] > 0 and "xla: True" in data["header"][2]

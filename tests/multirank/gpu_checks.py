@@ -1,4 +1,5 @@
-"""The GPU tier's job (tests/test_gpu.py): a GPU per rank, NCCL, the 1-process weights, loss scaling.
+"""The GPU tier's job (tests/test_gpu.py): a GPU per rank, NCCL, the 1-process weights (also under
+XLA), loss scaling.
 
     HOROVOD_TIMELINE=DYNAMIC horovodrun -np 2 --gloo python tests/multirank/gpu_checks.py --out DIR
     python tests/multirank/gpu_checks.py --out DIR --reference      # one process, the global batch
@@ -59,13 +60,20 @@ def timeline_activities(path):
     return sorted(set(re.findall(r'"((?:NCCL|GLOO|MPI|CCL)_[A-Z_]+)"', text)))
 
 
-def float32_training(strategy, out, reference, results):
-    """fit on the global batch: weights on every rank equal one process's; NCCL carries the exchange."""
+def float32_training(strategy, out, reference, results, jit_compile=False):
+    """fit on the global batch: weights on every rank equal one process's; NCCL carries the exchange.
+
+    With `jit_compile`, XLA compiles the step around the allreduce (tfdist.xla); the results go
+    under "xla_weights" (one process compiles the whole step)."""
     keras.mixed_precision.set_global_policy("float32")
     x, y = data()
     with strategy.scope():
         model = model_of(seed=strategy.rank if not reference else 0)  # ranks start apart: broadcast aligns them
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", jit_compile=jit_compile)
+    if jit_compile:
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        results["xla_weights"] = [w.tolist() for w in model.get_weights()]
+        return
     timeline = os.path.join(out, "timeline.json")
     recording = not reference and collectives.timeline_mode() == "dynamic"
     if recording:
@@ -104,6 +112,7 @@ def main():
     strategy = tfdist.HorovodStrategy(device, precision="auto" if args.device == "gpu" else None)
     results = {"facts": device_facts(strategy)}
     float32_training(strategy, args.out, args.reference, results)
+    float32_training(strategy, args.out, args.reference, results, jit_compile=True)
     if not args.reference:
         loss_scaling(strategy, results)
     write_results(args.out, strategy.rank, results)

@@ -53,7 +53,7 @@ PARSER.add_argument("--learning_rate", type=argtypes.positive_float, default=0.0
 PARSER.add_argument("--precision", default="float32",
                     choices=["float32", "mixed_float16", "mixed_bfloat16", "fp16", "bf16", "auto"],
                     help="fp16/bf16: mixed_float16/mixed_bfloat16; auto: tfdist only (HorovodStrategy picks by hardware)")
-PARSER.add_argument("--xla", action="store_true", help="jit_compile the train step (one rank only)")
+PARSER.add_argument("--xla", action="store_true", help="jit_compile the train step (on 2+ ranks XLA compiles around the allreduce)")
 PARSER.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                     help="auto: this rank's GPU where one is visible, else the CPU; gpu: fail, naming what "
                     "was found, where none is")
