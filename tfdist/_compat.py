@@ -9,7 +9,7 @@ Other tfdist modules reach these internals only through the names below:
 - TensorFlow (lazy, so that `tfdist-run` never imports TensorFlow): the `tensorflow.python`
   modules `distribute_utils`, `one_device_strategy` and `input_util`, which `HorovodStrategy` is
   built from, `distributed_values`, `distributed_values_util` and `saveable_object`, which
-  `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `tf_function_class` and `tf_function_settings` (which `tfdist.xla` retraces), `global_seed`, `compute_batch_size`,
+  `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `tf_function_class`, `tf_function_jit_compile` and `tf_function_settings` (which `tfdist.xla` retraces), `global_seed`, `compute_batch_size`,
   `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`; the
   saving functions `tfdist.keras.chief_saves` wraps (`tf_saved_model_modules`, `tf_checkpoint_classes`)
   and a `CheckpointManager`'s private settings (`checkpoint_manager_settings`,
@@ -82,6 +82,11 @@ def tf_function_class():
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
 
     return polymorphic_function.Function
+
+
+def tf_function_jit_compile(function):
+    """The `jit_compile` a `tf.function` was made with (True, False or None)."""
+    return function._jit_compile
 
 
 def tf_function_settings(function):

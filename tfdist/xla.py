@@ -74,7 +74,7 @@ def install():
         def __call__(self, *args, **kwargs):
             replacement = self.__dict__.get(_CLUSTERED)
             if replacement is None:
-                if _compat.tf_function_settings(self)[1]["jit_compile"] is not True:
+                if _compat.tf_function_jit_compile(self) is not True:  # every tf.function call: keep it cheap
                     return original(self, *args, **kwargs)
                 replacement = clustered(self)
                 setattr(self, _CLUSTERED, replacement)
