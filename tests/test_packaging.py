@@ -45,6 +45,9 @@ def test_wheel_holds_only_the_tfdist_namespace(installed):
     assert "tfdist" in tops and all(top.endswith(".dist-info") for top in tops - {"tfdist"}), tops
     for module in ("tfdist/pipelines/reader.py", "tfdist/callbacks/checkpoint.py", "tfdist/benchmark/train_benchmark.py", "tfdist/launch/runner.py"):
         assert module in names
+    # tfdist-install-horovod applies these to Horovod's sdist: an installed tfdist must carry them all
+    patches = sorted(p.name for p in (ROOT / "tfdist" / "horovod_patches").glob("*.patch"))
+    assert patches and sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("tfdist/horovod_patches/")) == patches
 
 
 def test_installed_package_imports_as_one_namespace(installed):
