@@ -161,6 +161,8 @@ def named(scope, kind=None, name=None):
     `.../scope/HorovodAllreduce...`; run eagerly, where ops have no scope, it is a profiler range
     of that name around them (free when the profiler is off), and a `tfdist.hang` mark (`kind`
     and `name`: the collective, e.g. "allreduce", "tfdist.metrics", as the hang detector names it).
+    Every Horovod op tfdist builds is inside one, so a graph trace checks here, once for all,
+    that XLA is not asked to compile it (`check_not_in_xla`).
     """
     if tf.executing_eagerly():
         mark = hang.enter(hang.collective(kind, name, scope))

@@ -218,7 +218,6 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         values = [value for value, _ in value_destination_pairs]
         if collectives.size() == 1:
             return values
-        collectives.check_not_in_xla("HorovodStrategy's allreduce")
         gradient_sum = gradient_exchange.is_gradient_sum(reduce_op, value_destination_pairs)
         variables = gradient_exchange.gradient_variables(value_destination_pairs) if gradient_sum else None
         return gradient_exchange.exchange(
