@@ -13,6 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# The reference-suite runner's files (its rank plugin, its own small test suite) run only under
+# tests/reference/suite.py (tests/test_reference_suite.py), never as tests of this suite.
+collect_ignore = ["reference"]
 
 
 class JobFailed(AssertionError):

@@ -16,6 +16,7 @@ METRICS, PREDICT, CALLBACKS, PRECISION, QUIET = (
     "chief-only progress bars")
 GRADIENT_SUM = "gradient-sum marker"
 PREEMPTION, FIT_CALLBACKS = "preemption checkpoints", "tfdist fit callbacks"
+MODEL_BUILD = "model build without reading the dataset"
 
 # Run in the child: BREAK (may be empty), then HorovodStrategy(); prints one JSON line.
 CHILD = """
@@ -35,6 +36,7 @@ hooks = {{
     "keras3.get_metrics_result": trainer.get_metrics_result,
     "keras3.test_step": trainer.test_step,
     "keras3.predict_step": trainer.predict_step,
+    "keras3._maybe_symbolic_build": trainer._maybe_symbolic_build,
     "keras3.ModelCheckpoint._save_model": keras.callbacks.ModelCheckpoint._save_model,
     "keras3.BackupAndRestore._save_model": keras.callbacks.BackupAndRestore._save_model,
     "keras3.BackupAndRestore.on_train_end": keras.callbacks.BackupAndRestore.on_train_end,
@@ -71,7 +73,8 @@ KERAS3_HOOKS = {
     "keras3.get_metrics_result": METRICS,
     "keras3.test_step": METRICS,
     "keras3.predict_step": PREDICT,
-    "keras3.ModelCheckpoint._save_model": CALLBACKS,
+    "keras3._maybe_symbolic_build": MODEL_BUILD,
+    "keras3.ModelCheckpoint._save_model": None,  # its saves go through chief_saves' Model.save rules
     "keras3.BackupAndRestore._save_model": PREEMPTION,  # over the chief-only write
     "keras3.BackupAndRestore.on_train_end": CALLBACKS,
     "keras3.TensorBoard.set_model": CALLBACKS,
@@ -116,8 +119,9 @@ BROKEN = [
     ("predict_step gone", "keras3",
      "from keras.src.backend.tensorflow.trainer import TensorFlowTrainer\ndel TensorFlowTrainer.predict_step",
      PREDICT, "keras "),
-    ("ModelCheckpoint._save_model gone", "keras3",
-     "del keras.callbacks.ModelCheckpoint._save_model", CALLBACKS, "keras "),
+    ("_maybe_symbolic_build gone", "keras3",
+     "from keras.src.backend.tensorflow.trainer import TensorFlowTrainer\ndel TensorFlowTrainer._maybe_symbolic_build",
+     MODEL_BUILD, "keras "),
     ("LossScaleOptimizer gone", "keras3",
      "del keras.mixed_precision.LossScaleOptimizer", PRECISION, "keras "),
     ("check_finite gone", "keras3",

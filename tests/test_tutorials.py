@@ -90,3 +90,17 @@ def test_custom_loop_checkpoint_manager_with_worker_dirs(job, tmp_path_factory):
         assert part["latest_checkpoint"] == "ckpt-2", f"worker {w}"
         assert part["restored_epoch"] == 2, f"worker {w}"
         assert part["restored"] == part["final"], f"worker {w}: restored weights"
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_one_shuffled_dataset_across_fits_keeps_one_process_data_order(job, tmp_path_factory):
+    # The "Multi-worker training with Keras" tutorial fits one .shuffle().repeat() dataset again
+    # and again (plain, ModelCheckpoint, BackupAndRestore): each fit must draw the shuffle order
+    # one process draws; a reader of the dataset that one process does not have (Keras 3 reads a
+    # batch to build the model under any strategy) shifts every later order.
+    parts = scenario(job, "tutorial_data_order", tmp_path_factory)
+    ref = single("tutorial_data_order", tmp_path_factory)
+    assert_same_on_workers(parts, "losses")
+    for fit, losses in ref["losses"].items():
+        np.testing.assert_allclose(parts[0]["losses"][fit], losses, rtol=1e-4, err_msg=f"{job}: {fit}")
+    assert_close(parts[0]["trained"], ref["trained"], atol=1e-4, what="weights after the fits vs single process")

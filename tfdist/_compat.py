@@ -46,6 +46,7 @@ _TF_MODULES = {
     "distributed_values_util": "tensorflow.python.distribute.values_util",
     "saveable_object": "tensorflow.python.training.saving.saveable_object",
     "resource_variable_ops": "tensorflow.python.ops.resource_variable_ops",
+    "numpy_dataset": "tensorflow.python.distribute.numpy_dataset",
 }
 
 

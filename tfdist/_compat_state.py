@@ -84,3 +84,16 @@ def backup_position(callback, steps_per_epoch):
         return None
     epoch, batch = int(state._ckpt_saved_epoch.numpy()), int(state._ckpt_saved_batch.numpy())
     return (epoch, batch + 1) if epoch >= 0 and 0 <= batch < steps_per_epoch - 1 else None
+
+
+def epoch_iterator_batch_spec(epoch_iterator, hook):
+    """The `tf.TypeSpec`s of one replica's batch from a Keras 3 `TFEpochIterator`, without reading it."""
+    import tensorflow as tf
+
+    from tfdist._compat import hook_error
+
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    if dataset is None:
+        raise hook_error(hook, "Keras' TFEpochIterator has no _distributed_dataset")
+    # A PerReplicaSpec holds one spec per local replica: HorovodStrategy has one.
+    return tf.nest.map_structure(lambda spec: getattr(spec, "_value_specs", (spec,))[0], dataset.element_spec)

@@ -1,16 +1,20 @@
 """Variables that aggregate across ranks, as MultiWorkerMirroredStrategy's do.
 
-`HorovodStrategy` creates most variables as plain variables that start from rank 0's value and
-stay identical because every rank applies the same all-reduced updates. Two kinds of variable
-need more, and get TensorFlow's own distributed variable classes with one component (this rank's):
+`HorovodStrategy` creates its variables as MultiWorkerMirroredStrategy does with one replica per
+worker: TensorFlow's own distributed variable classes with one component (this rank's), starting
+from rank 0's value:
 
+- `synchronization=ON_WRITE` or `AUTO` (weights, optimizer slots): a `MirroredVariable`, whose
+  `synchronization` reads ON_WRITE. The ranks keep it identical by applying the same all-reduced
+  updates; with `aggregation=SUM` or `MEAN` an update made inside `strategy.run`
+  (`v.assign_add(x)`) is all-reduced first, with NONE or ONLY_FIRST_REPLICA each rank applies its
+  own (as each MWMS worker does with one replica).
 - `synchronization=ON_READ` (Keras metrics, tf-keras BatchNormalization's moving statistics):
   each rank updates its own copy; a read in cross-replica context (outside `strategy.run`, e.g.
   `metric.result()` in a custom loop) returns the aggregate over ranks by the variable's
   aggregation (SUM, MEAN, ONLY_FIRST_REPLICA), one Horovod collective, so every rank must read.
-- `aggregation=SUM` or `MEAN` with `synchronization=ON_WRITE/AUTO`: an update made inside
-  `strategy.run` (`v.assign_add(x)`) is all-reduced first, so the variable stays identical on every
-  rank, as a mirrored variable does.
+
+`synchronization=NONE` (which MWMS refuses) and the variables a save creates stay plain.
 
 Saving never needs a collective: inside `local_reads()` (which tfdist's save hooks enter) an
 on-read variable reads this rank's own value, so the chief can save alone.
@@ -45,18 +49,20 @@ def own(variable):
     return variable
 
 
-def is_distributed_kind(synchronization, aggregation):
-    """Whether a variable created with these arguments needs a distributed variable (see module)."""
+def is_distributed_kind(synchronization, colocate_with=None):
+    """Whether a variable created with these arguments is a distributed variable (see module):
+    all but `synchronization=NONE` and those placed beside a dataset's values (numpy inputs)."""
     import tensorflow as tf
 
-    if synchronization == tf.VariableSynchronization.ON_READ:
-        return True
-    return (synchronization in (tf.VariableSynchronization.AUTO, tf.VariableSynchronization.ON_WRITE, None)
-            and aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN))
+    from tfdist import _compat
+
+    if isinstance(colocate_with, _compat.numpy_dataset.SingleDevice):
+        return False
+    return synchronization != tf.VariableSynchronization.NONE
 
 
 def create(strategy, create_component, **kwargs):
-    """A one-component `SyncOnReadVariable` (ON_READ) or `MirroredVariable` (aggregated ON_WRITE).
+    """A one-component `SyncOnReadVariable` (ON_READ) or `MirroredVariable` (ON_WRITE, AUTO).
 
     `create_component(**kwargs)` makes the rank's own variable, as the strategy places it.
     """
@@ -65,7 +71,7 @@ def create(strategy, create_component, **kwargs):
     from tfdist import _compat
 
     classes = {
-        tf.VariableSynchronization.ON_WRITE: _compat.distributed_values.MirroredVariable,
+        tf.VariableSynchronization.ON_WRITE: _mirrored_class(),
         tf.VariableSynchronization.ON_READ: _sync_on_read_class(),
     }
     return _compat.distribute_utils.create_mirrored_variable(
@@ -73,6 +79,43 @@ def create(strategy, create_component, **kwargs):
 
 
 _classes = {}
+
+
+def _mirrored_class():
+    if "mirrored" not in _classes:
+        _classes["mirrored"] = _define_mirrored_class()
+    return _classes["mirrored"]
+
+
+def _define_mirrored_class():
+    import numpy as np
+
+    from tfdist import _compat
+
+    class RankMirroredVariable(_compat.distributed_values.MirroredVariable):
+        """A mirrored variable that converts to Python and numpy values as a plain one does.
+
+        TensorFlow's `MirroredVariable` refuses `int(v)` and `float(v)`, and `np.asarray(v)` of an
+        integer scalar inside `strategy.scope()` (an optimizer's step counter in a callback);
+        code that ran with tfdist's plain variables before, or in one process, keeps working.
+        """
+
+        def __array__(self, dtype=None, copy=None):
+            return np.asarray(self.read_value().numpy(), dtype=dtype)
+
+        def __int__(self):
+            return int(self.read_value())
+
+        def __float__(self):
+            return float(self.read_value())
+
+        def __index__(self):
+            return int(self.read_value())
+
+        def __bool__(self):
+            return bool(self.read_value())
+
+    return RankMirroredVariable
 
 
 def _sync_on_read_class():

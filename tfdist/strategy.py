@@ -32,7 +32,7 @@ from tfdist import precision as precision_lib
 from tfdist import watchdog as watchdog_lib
 from tfdist.exchange import gradients as gradient_exchange
 from tfdist.keras import callback_writes as keras_callbacks
-from tfdist.keras import chief_saves, fit_callbacks, recognise
+from tfdist.keras import chief_saves, fit_callbacks, model_build, recognise
 from tfdist.keras import preemption as keras_preemption
 from tfdist.keras import metrics as keras_metrics
 from tfdist.keras import predictions as keras_predict
@@ -180,6 +180,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         keras_metrics.install()
         step_outputs.install()  # what a custom train/test step returns: reduced across ranks, as Keras reduces replicas
         keras_predict.install()
+        model_build.install()  # Keras 3 builds the model from the dataset's spec, reading no batch
         keras_callbacks.install()
         step_marks.install()  # each fit's batches marked for the hang detector
         chief_saves.install()

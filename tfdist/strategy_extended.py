@@ -63,11 +63,15 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         # tf.function lifts its initialiser.
         # A variable a save creates (a checkpoint's save_counter) is the saving rank's own: the
         # chief may save alone, so no collective there.
+        in_save = chief_saves.in_save()
         if (collectives.size() > 1 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ
-                and not chief_saves.in_save()):
+                and not in_save):
             kwargs["initial_value"] = self._broadcast_initial_value(kwargs)
-        if rank_variables.is_distributed_kind(kwargs.get("synchronization"), kwargs.get("aggregation")):
-            # Sync-on-read (metrics) and SUM/MEAN mirrored variables: MWMS's semantics, one component.
+        if isinstance(kwargs.get("colocate_with"), tf.distribute.DistributedValues):
+            kwargs["colocate_with"] = None  # an optimizer slot beside its variable: one device holds both
+        if not in_save and rank_variables.is_distributed_kind(kwargs.get("synchronization"), kwargs.get("colocate_with")):
+            # As MWMS with one replica per worker: a MirroredVariable (SyncOnReadVariable for
+            # ON_READ) whose one component is this rank's.
             return rank_variables.create(self._container_strategy(),
                                          lambda **kw: super(HorovodExtended, self)._create_variable(next_creator, **kw),
                                          **kwargs)

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from client_code import GLOBAL, build_model, keras, make_data, seed_for, weights_of
+from client_code import GLOBAL, build_model, initial_values, keras, make_data, seed_for, weights_of
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -194,4 +194,51 @@ def tutorial_custom_loop(run):
     }
 
 
-TUTORIAL_SCENARIOS = {"tutorial_keras": tutorial_keras, "tutorial_custom_loop": tutorial_custom_loop}
+# --- multi_worker_with_keras: one shuffled, repeated dataset across several fits ------------------
+def mnist_shaped(seed, rows=256):
+    """Synthetic MNIST-shaped data (28x28 floats in [0, 1), 10 classes), as the tutorial's dataset."""
+    rng = np.random.default_rng(seed)
+    return rng.random((rows, 28, 28), dtype=np.float32), rng.integers(0, 10, size=rows).astype("int64")
+
+
+def tutorial_cnn(run, seed):
+    """The tutorial's CNN, smaller (4 filters, stride 2), starting from numpy weights."""
+    kernel, bias, dense_kernel, dense_bias = initial_values(seed_for(run, seed), [(3, 3, 1, 4), (4,), (676, 10), (10,)])
+    constant = keras.initializers.Constant
+    with run.strategy.scope():
+        model = keras.Sequential([
+            keras.Input((28, 28)), keras.layers.Reshape((28, 28, 1)),
+            keras.layers.Conv2D(4, 3, strides=2, activation="relu", kernel_initializer=constant(kernel),
+                                bias_initializer=constant(bias)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10, kernel_initializer=constant(dense_kernel), bias_initializer=constant(dense_bias))])
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"])
+    return model
+
+
+def tutorial_data_order(run):
+    """The tutorial re-uses one `.shuffle(60000).repeat()` dataset in every fit (plain, with
+    ModelCheckpoint, with BackupAndRestore): each fit draws the next shuffle order, and every
+    runner must draw the orders one process draws (seeded alike, as MWMS asks of its workers)."""
+    task_type, task_id = task_of(run.strategy)
+    root = os.path.join(run.files, "tutorial_data_order")
+    tf.random.set_seed(2024)
+    x, y = mnist_shaped(15)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(60000).repeat().batch(GLOBAL)
+    model = tutorial_cnn(run, 91)
+    fits = {"plain": model.fit(dataset, epochs=2, steps_per_epoch=5, verbose=0).history["loss"]}
+    checkpoint = keras.callbacks.ModelCheckpoint(write_filepath(os.path.join(root, "ckpt.weights.h5"), task_type, task_id),
+                                                 save_weights_only=True)
+    fits["checkpoint"] = model.fit(dataset, epochs=2, steps_per_epoch=5, verbose=0, callbacks=[checkpoint]).history["loss"]
+    with run.strategy.scope():
+        restarted = tutorial_cnn(run, 91)
+    backup = keras.callbacks.BackupAndRestore(os.path.join(root, "backup"))
+    fits["backup"] = restarted.fit(dataset, epochs=2, steps_per_epoch=5, verbose=0, callbacks=[backup]).history["loss"]
+    fits["evaluate"] = [float(model.evaluate(dataset, steps=3, verbose=0)[0])]
+    fits["again"] = model.fit(dataset, epochs=1, steps_per_epoch=5, verbose=0).history["loss"]
+    return {"losses": {k: [float(v) for v in vs] for k, vs in fits.items()}, "trained": weights_of(model)}
+
+
+TUTORIAL_SCENARIOS = {"tutorial_keras": tutorial_keras, "tutorial_custom_loop": tutorial_custom_loop,
+                      "tutorial_data_order": tutorial_data_order}

@@ -5,11 +5,15 @@ non-chief workers to throw-away directories (through `strategy.extended.should_c
 `_task_id`, which `HorovodStrategy` provides); its `BackupAndRestore` only needs to be told that
 `HorovodStrategy` is one of the strategies it supports. Keras 3's callbacks know nothing of strategies, so
 every rank would write the same files at the same time. Installed by `HorovodStrategy()`, this
-gives Keras 3 the tf-keras behaviour on ranks other than 0:
+gives Keras 3, on ranks other than 0:
 
-- `ModelCheckpoint` and `TensorBoard` write under a private temporary directory of the rank;
+- `TensorBoard` writes under a private temporary directory of the rank;
 - `BackupAndRestore` restores from the shared backup on every rank (so all ranks resume alike)
-  but only the chief writes or deletes it.
+  but only the chief writes or deletes it;
+- `ModelCheckpoint` saves through `Model.save` / `save_weights`, which `tfdist.keras.chief_saves`
+  handles as every save: the chief's path is written by the chief alone (another rank writes its
+  copy under its temporary directory), a path of the rank's own (a per-process temporary
+  directory, as Keras' own tests write) is written as asked and can be loaded right after.
 
 `EarlyStopping` and the other callbacks need nothing: they see the same global logs on every
 rank, so they take the same decisions. Models under other strategies are untouched.
@@ -33,15 +37,13 @@ def install():
     """Wrap the Keras 3 callbacks; raises `KerasHookError` if Keras moved them (never silent)."""
     if _installed:
         return
-    ModelCheckpoint, BackupAndRestore, TensorBoard = _compat.keras3_callback_classes(HOOK)
+    _, BackupAndRestore, TensorBoard = _compat.keras3_callback_classes(HOOK)
     save_model = _compat.KERAS3_SAVE_MODEL
-    for cls, methods in ((ModelCheckpoint, [save_model]), (BackupAndRestore, [save_model, "on_train_end"]),
-                         (TensorBoard, ["set_model"])):
+    for cls, methods in ((BackupAndRestore, [save_model, "on_train_end"]), (TensorBoard, ["set_model"])):
         _compat.require_methods(cls, methods, HOOK)  # all checked before any is patched
     if _compat.tf_keras_in_use():
         tf_keras_backup = _compat.tf_keras_callback_class("BackupAndRestore", HOOK)
         _compat.require_methods(tf_keras_backup, ["on_train_begin"], HOOK, "tf_keras")
-    _compat.patch_method(ModelCheckpoint, save_model, lambda m: _before(m, _checkpoint_to_scratch), HOOK)
     _compat.patch_method(BackupAndRestore, save_model, _chief_only, HOOK)
     _compat.patch_method(BackupAndRestore, "on_train_end", _chief_only, HOOK)
     _compat.patch_method(TensorBoard, "set_model", lambda m: _before(m, _log_to_scratch, model_arg=True), HOOK)
@@ -64,12 +66,6 @@ def _allow_horovod_strategy(original):
         return original(self, logs)
 
     return on_train_begin
-
-
-def _checkpoint_to_scratch(callback, model):
-    if not getattr(callback, "_tfdist_redirected", False):
-        callback.filepath = os.path.join(scratch_dir(), "checkpoint", os.path.basename(callback.filepath))
-        callback._tfdist_redirected = True
 
 
 def _log_to_scratch(callback, model):
