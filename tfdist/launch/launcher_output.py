@@ -13,6 +13,7 @@ come and keeps the last `TAIL_LINES` lines to analyse. For horovodrun (`launcher
 
 Nothing else is touched. No TensorFlow here.
 """
+
 import collections
 import os
 import re
