@@ -141,7 +141,7 @@ class _StopAtAgreedStep:
             self._stop(position, logs, f"at the end of epoch {epoch + 1}")
 
     def _stop(self, position, logs, where):
-        self.agreement.close()
+        # the signals stay caught while every rank saves; exit_preempted then ignores them to the end
         saved = _save_everything(self.model, self.fit_callbacks, position, logs)
         if saved:
             what = f"saved {where} by {'; '.join(saved)}"
