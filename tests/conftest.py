@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+SITE = ROOT / "tests" / "site"  # sitecustomize.py for the processes the tests start (no exit-time GC)
 # The reference-suite runner's files (its rank plugin, its own small test suite) run only under
 # tests/reference/suite.py (tests/test_reference_suite.py), never as tests of this suite.
 collect_ignore = ["reference"]
@@ -75,9 +76,11 @@ def run_job(args, out_dir, np=2, env=None, timeout=420, launcher="horovodrun"):
 
 
 def make_job_env(extra=None):
-    """os.environ for a job's processes: TensorFlow's C++ log quiet and tfdist imported from this
-    checkout, then `extra`, where a None value removes the variable."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), **(extra or {})}
+    """os.environ for a job's processes: TensorFlow's C++ log quiet, tfdist imported from this
+    checkout, no garbage collection at exit (tests/site), then `extra`, where a None value removes
+    the variable."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join([str(ROOT), str(SITE)]),
+           **(extra or {})}
     return {k: v for k, v in env.items() if v is not None}
 
 

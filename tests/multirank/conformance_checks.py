@@ -29,8 +29,10 @@ ranks (the suite runs 2 and 4).
 row-count checks fail).
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -408,6 +410,8 @@ def callbacks_fit(run):
             keras.callbacks.TensorBoard(tb_dir, profile_batch=0, write_graph=False),
             stopper,
         ])
+        print(f"worker {run.worker}: the checkpoint fit ran {len(history.epoch)} epochs, losses "
+              f"{history.history['loss']}", flush=True)  # (a rank that stops alone leaves the others waiting)
         results["checkpoint_tensorboard_earlystop"] = {
             "completed": True,
             "epochs_run": len(history.epoch),
@@ -415,6 +419,7 @@ def callbacks_fit(run):
             "loss": [float(v) for v in history.history["loss"]],
         }
     except Exception as e:  # noqa: BLE001
+        print(f"worker {run.worker}: the checkpoint fit raised:\n{traceback.format_exc()}", flush=True)
         results["checkpoint_tensorboard_earlystop"] = {"error": f"{type(e).__name__}: {str(e)[:300]}",
                                                        "traceback": traceback.format_exc()[-2000:]}
     run.barrier()
@@ -558,6 +563,7 @@ MWMS_SKIPS = tuple(XLA_SCENARIOS)  # the oracle for XLA is one process, which co
 
 
 def main():
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # stacks on demand, for a job that hangs
     parser = worker_parser()
     parser.add_argument("--strategy", choices=("horovod", "mwms", "single"), required=True)
     parser.add_argument("--only", nargs="*", help="run only these scenarios (debugging)")
@@ -585,6 +591,7 @@ def main():
         if name in {"single": SINGLE_SKIPS, "mwms": MWMS_SKIPS}.get(args.strategy, ()):
             continue
         start = time.time()
+        print(f"worker {run.worker}: scenario {name}", flush=True)  # a hang's job log names the scenario
         try:
             results[name] = scenario(run)
         except Exception as e:  # noqa: BLE001 - one failing scenario must not hide the others
