@@ -122,8 +122,19 @@ def _stand_ins():
             sys.modules[name] = _placeholder(name)
 
 
+def _absl_flags_parsed():
+    """absl's flags (tf-keras' test combinations read them) parse sys.argv, which is pytest's
+    here ("Unknown command line flag 'p'"): parse the program name alone, as `absltest.main` does
+    for a test run without flags."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv[:1])
+
+
 def pytest_configure(config):
     _stand_ins()
+    _absl_flags_parsed()
     if not COLLECT_ONLY and MODE == "mwms":
         _keep_mwms_context()
     _state["rank"], _state["size"] = _rank_and_size()
