@@ -72,11 +72,16 @@ def python_version(python):
     return out.stdout.strip()
 
 
-def run(command, log=None, env=None, cwd=None, timeout=3600):
-    """Run `command`, its output appended to the file `log` (or shown); returns (exit code, output tail)."""
+def run(command, log=None, env=None, cwd=None, timeout=None):
+    """Run `command`, its output appended to the file `log`; returns (exit code, output tail).
+
+    No time limit unless asked: on a shared 2-core machine a Horovod build took over an hour."""
     began = time.monotonic()
-    proc = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=timeout)
+    try:
+        proc = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, cwd=cwd,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise TargetError(f"`{' '.join(map(str, command[:3]))} ...` did not end within {timeout} s") from None
     output = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if PIP_NOISE not in line)
     if log:
         with open(log, "a") as f:

@@ -144,7 +144,7 @@ def run_cell(cell, work, src, wheel, log, prepare_only=False):
         report = os.path.join(work, "results", cell["name"] + ".xml")
         step = time.monotonic()
         code, tail = target_env.run([venv, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={report}",
-                                     *node_ids()], log, env=target_env.clean_env(venv), cwd=src, timeout=3600)
+                                     *node_ids()], log, env=target_env.clean_env(venv), cwd=src, timeout=4 * 3600)
         result["tests_s"] = round(time.monotonic() - step)
         result["pytest"] = tail.strip().splitlines()[-1] if tail.strip() else f"exit {code}"
         result["columns"] = summarize(outcomes(report)) if os.path.exists(report) else {}

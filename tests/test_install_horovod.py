@@ -190,10 +190,13 @@ def test_the_declared_range_is_setup_cfgs_and_the_install_notes_versions_outside
     assert f'TF_VERSION={versions.PINNED_TF}' in BOOTSTRAP.read_text()  # the checkout's one pinned default
     assert versions.tf_in_range(versions.PINNED_TF) and versions.tf_in_range("2.16.2") and versions.tf_in_range("2.18.1")
     assert not versions.tf_in_range("2.15.1") and not versions.tf_in_range("2.22.0") and not versions.tf_in_range("x")
-    # HorovodStrategy() refuses Keras 2 before Horovod starts (seen with TensorFlow 2.15.1: docs/INSTALL.md)
-    assert versions.keras2_refusal("2.16.2", "3.15.1") is None and versions.keras2_refusal("2.21.0", "3.3.3") is None
-    refusal = versions.keras2_refusal("2.15.1", "2.15.0")
+    # HorovodStrategy() refuses Keras 2 and Keras 3 before 3.5 before Horovod starts (seen: docs/INSTALL.md)
+    assert versions.keras_refusal("2.16.2", "3.15.1") is None and versions.keras_refusal("2.16.2", "3.5.0") is None
+    refusal = versions.keras_refusal("2.15.1", "2.15.0")
     assert "TensorFlow 2.15.1 with keras 2.15.0" in refusal and "TensorFlow 2.16 to 2.21" in refusal, refusal
+    refusal = versions.keras_refusal("2.16.2", "3.3.3")
+    assert "TensorFlow 2.16.2 with keras 3.3.3" in refusal and "pip install 'keras>=3.5'" in refusal, refusal
+    assert "    keras>=3.5\n" in (ROOT / "setup.cfg").read_text()  # pip never pairs tfdist with an older one
     assert not [note for note in plan(tf=("tensorflow-cpu", "2.16.2")).notes if "range" in note]
     (note,) = [note for note in plan(tf=("tensorflow-cpu", "2.15.1")).notes if "range" in note]
     assert note.startswith("TensorFlow 2.15.1 is outside tfdist's tested range, TensorFlow 2.16 to 2.21"), note
