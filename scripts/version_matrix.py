@@ -104,8 +104,7 @@ def cell_venv(cell, python, path, wheel, log):
     venv_python = os.path.join(path, "bin", "python")
     if os.path.exists(venv_python):
         found = target_env.installed(venv_python, "tensorflow-cpu")["tensorflow-cpu"] or ""
-        pinned = cell["tf"] if cell["tf"].count(".") == 2 else cell["tf"] + "."
-        if found == cell["tf"] or (pinned.endswith(".") and found.startswith(pinned)):
+        if found == cell["tf"] or found.startswith(cell["tf"] + "."):  # "2.16.2" for "2.16.2" or "2.16"
             target_env.checked([venv_python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", wheel],
                                "reinstalling tfdist's wheel", log)
             return "reused:" + venv_python
