@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import collectives, consistency, hang_detector, input_contract, xla
+from tfdist import collectives, consistency, hang_detector, input_contract, keras_flavour, versions, xla
 from tfdist import gpu as gpu_lib
 from tfdist import precision as precision_lib
 from tfdist import watchdog as watchdog_lib
+from tfdist.errors import KerasHookError
 from tfdist.exchange import gradients as gradient_exchange
 from tfdist.keras import callback_writes as keras_callbacks
 from tfdist.keras import chief_saves, fit_callbacks, model_build, recognise
@@ -121,6 +122,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             starts (`tfdist.strategy_options`). Also `op="adasum"` where this launch cannot run it.
         TypeError: an argument of the wrong type, named in the message.
         HorovodNotAvailableError: Horovod is not installed, or was built without TensorFlow.
+        KerasHookError: `keras` is older than 3.5 (Keras 2 with TensorFlow 2.15 and older; the
+            message names the versions and tfdist's range), or a Keras hook cannot be installed.
         GPUNotFoundError: `device` asks for a GPU and this rank sees none.
         RankMismatchError: ranks run different versions, code or `fingerprint` (`check_consistency`).
         WatchdogError: rank 0 cannot listen for the other ranks' heartbeats.
@@ -140,6 +143,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
                  tuning: bool | str | dict[str, Any] = True, horovod: dict[str, Any] | None = None,
                  watchdog: bool | float = True, check_consistency: bool = True, fingerprint: str | None = None,
                  fused_batchnorm: bool = True, bucket_mb: float | None = None) -> None:
+        if not legacy_requested():  # before anything starts: Keras 2 and 3.4 lack hooks installed below
+            refusal = versions.keras_refusal(tf.__version__, keras_flavour.keras_module().__version__)
+            if refusal:
+                raise KerasHookError(refusal)
         options = StrategyOptions.from_arguments(
             device, batch_convention=batch_convention, compression=compression, op=op,
             check_variables=check_variables, precision=precision, tuning=tuning, horovod=horovod,
