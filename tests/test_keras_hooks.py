@@ -74,7 +74,7 @@ KERAS3_HOOKS = {
     "keras3.test_step": METRICS,
     "keras3.predict_step": PREDICT,
     "keras3._maybe_symbolic_build": MODEL_BUILD,
-    "keras3.ModelCheckpoint._save_model": None,  # its saves go through chief_saves' Model.save rules
+    "keras3.ModelCheckpoint._save_model": CALLBACKS,  # its folder made race-free; saves follow chief_saves
     "keras3.BackupAndRestore._save_model": PREEMPTION,  # over the chief-only write
     "keras3.BackupAndRestore.on_train_end": CALLBACKS,
     "keras3.TensorBoard.set_model": CALLBACKS,

@@ -132,6 +132,7 @@ def dataset_graph_def(dataset):
 # --- Keras: the classes tfdist patches ----------------------------------------------------------
 
 KERAS3_SAVE_MODEL = "_save_model"  # ModelCheckpoint / BackupAndRestore method that writes files
+KERAS3_CHECKPOINT_PATH = "_get_file_path"  # ModelCheckpoint: (epoch, batch, logs) -> the path it saves to
 TF_KERAS_BACKUP = "_backup"  # tf-keras BackupAndRestore method that writes its checkpoint (epoch, batch)
 TF_KERAS_SUPPORTED_STRATEGIES = "_supported_strategies"  # tf-keras BackupAndRestore attribute
 
