@@ -1,7 +1,8 @@
-"""compression="bf16" on 4 ranks (Gloo and MPI), and its refusals.
+"""compression="bf16" on 4 MPI ranks, and its refusals.
 
-The 2-rank checks run inside the compression (Gloo) and MPI launches (test_compression.py,
-test_mpi.py). Here: one 4-rank launch per controller of tests/multirank/bf16_checks.py, every
+The other bfloat16 allreduce checks run inside launches the suite makes anyway: 2 Gloo ranks in
+the compression launches (test_compression.py), 2 and 4 in the clipping ones (test_clipping.py),
+2 MPI ranks in test_mpi.py. Here: a 4-rank mpirun of tests/multirank/bf16_checks.py, every
 bfloat16 result compared bit for bit with numpy's (tests/bf16_reference.py); a Horovod built
 without tfdist's bfloat16 patch (the cached wheel of an older patch set, where one exists) refused
 by name; `op="adasum"` with bf16 refused before Horovod starts.
@@ -24,16 +25,14 @@ PY = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
-def test_bf16_allreduce_on_4_ranks_is_numpys_float32_sum_rounded_once(launcher, tmp_path):
-    if launcher == "mpirun":
-        from test_mpi import _missing_mpi
+def test_bf16_allreduce_on_4_mpi_ranks_is_numpys_float32_sum_rounded_once(tmp_path):
+    from test_mpi import _missing_mpi
 
-        if _missing_mpi():
-            pytest.skip(_missing_mpi())
-    ranks = run_job([WORKER], tmp_path, np=4, env=flavor_env("keras3"), launcher=launcher, timeout=300)
+    if _missing_mpi():
+        pytest.skip(_missing_mpi())
+    ranks = run_job([WORKER], tmp_path, np=4, env=flavor_env("keras3"), launcher="mpirun", timeout=300)
     exchange = {r: ranks[r]["exchange"] for r in range(4)}
-    assert exchange[0]["controller"] == ("mpi" if launcher == "mpirun" else "gloo")
+    assert exchange[0]["controller"] == "mpi"
     bf16_reference.check_exchange(exchange)
     # one rounding of the float32 sum, where rounding each partial sum from rank 0 on loses it
     got, pairwise = bf16_reference.once_beats_pairwise(exchange)

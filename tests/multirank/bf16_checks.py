@@ -1,9 +1,10 @@
 """bfloat16 allreduce on real ranks (Horovod's Gloo or MPI CPU sums, tfdist's patch 0008).
 
-    horovodrun -np 4 --gloo python tests/multirank/bf16_checks.py --out DIR
     mpirun ... -np 4 python tests/multirank/bf16_checks.py --out DIR
+    horovodrun -np 4 --gloo python tests/multirank/bf16_checks.py --out DIR
 
-`exchange_checks()` also runs inside the 2-rank compression (Gloo) and MPI launches. Each rank
+`exchange_checks()` also runs inside the compression (Gloo, 2 ranks), clipping (Gloo, 2 and 4
+ranks) and MPI (2 ranks) launches; the suite runs this file itself on 4 MPI ranks. Each rank
 allreduces bfloat16 tensors of its own (sum, average, min, max; fused in one grouped allreduce and
 alone; fewer values than ranks; rounding ties; overflow, inf, nan, subnormals) and float32 ones
 through `hvd.Compression.bf16`, and writes its inputs and results as raw bits; tests/test_bf16.py

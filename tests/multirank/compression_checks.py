@@ -210,7 +210,8 @@ def bf16_strategy_checks(results):
 
 
 def digits_checks(results):
-    """The README's digits model (sklearn's 8x8 digits, an MLP, Adam) on 2 ranks, with and without bf16."""
+    """The README's digits model (sklearn's 8x8 digits, an MLP) on 2 ranks, with and without bf16; 60
+    steps at global batch 256 (Adam 0.01) reach what the README's 460 at 64 do, in CI's time."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -222,8 +223,9 @@ def digits_checks(results):
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
                                       keras.layers.Dense(10, activation="softmax")])
-            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        model.fit(x_train, y_train, batch_size=64, epochs=20, shuffle=False, verbose=0)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                          metrics=["accuracy"])
+        model.fit(x_train, y_train, batch_size=256, epochs=10, shuffle=False, verbose=0)
         _, accuracy = model.evaluate(x_test, y_test, verbose=0)
         results[f"digits/{name}"] = {"accuracy": float(accuracy), "final": weights(model)}
 
@@ -239,7 +241,8 @@ def main():
     fit_checks(results)
     results["bf16/exchange"] = bf16_checks.exchange_checks()
     bf16_strategy_checks(results)
-    digits_checks(results)
+    if keras.__name__ == "keras":  # an accuracy claim, not a flavour's behaviour: one launch is enough
+        digits_checks(results)
     clip_checks(results)
     resume_checks(rank, args.out, results)
     write_results(args.out, rank, results)
