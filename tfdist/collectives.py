@@ -233,18 +233,6 @@ def _allreduce(tensors, op, name, compression):
     return out
 
 
-def compression(value):
-    """A Horovod Compression from None, "none", "fp16" or a Compression object."""
-    hvd = horovod()
-    if value is None or value == "none":
-        return None
-    if value == "fp16":
-        return hvd.Compression.fp16
-    if isinstance(value, str):
-        raise ValueError(f"compression={value!r}: expected None, 'none' or 'fp16'")
-    return value
-
-
 def adasum_refusal(size=None):
     """Why `op="adasum"` cannot run in this job (a message naming the fix), or None when it can.
 

@@ -31,6 +31,7 @@ from tfdist import gpu as gpu_lib
 from tfdist import precision as precision_lib
 from tfdist import watchdog as watchdog_lib
 from tfdist.errors import KerasHookError
+from tfdist.exchange import casts
 from tfdist.exchange import gradients as gradient_exchange
 from tfdist.keras import callback_writes as keras_callbacks
 from tfdist.keras import chief_saves, fit_callbacks, model_build, recognise
@@ -66,12 +67,15 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             "per_rank" (Horovod's convention, for ported Horovod scripts): each rank's dataset is
             its own, batched per rank, and used as given. `distribute_datasets_from_function`
             and `pipelines.read_dataset(input_context=...)` datasets are per rank either way.
-        compression: gradient compression: None or "none"; "fp16" (floating gradients cast to
-            float16 before and back after; halves the bytes sent) or a
+        compression: gradient compression: None or "none"; "bf16" (floating gradients travel as
+            bfloat16 and are summed in float32, rounded once; half the bytes of float32, float32's
+            range, so no loss scaling; CPU replicas, and a Horovod built by
+            `tfdist-install-horovod` with its bfloat16 patch, else refused naming the fix); "fp16"
+            (cast to float16 before and back after; half the bytes, range up to 65504) or a
             `horovod.tensorflow.Compression`; `"powersgd:<rank>"` or `"topk:<density>"` (or a
             `tfdist.exchange.compression.PowerSGD` / `TopK`): low-rank or sparse gradients with error
-            feedback, per-rank state that `callbacks.Checkpointer` saves; they replace the
-            optimizer's gradient sum only (docs/COMMUNICATION.md).
+            feedback, per-rank state that `callbacks.Checkpointer` saves. Every compression
+            applies to the optimizer's gradient sum only (docs/COMMUNICATION.md).
         op: how gradients combine across ranks: "average" (Keras' loss scaling by
             1/num_replicas_in_sync turns the sum into the average), or "adasum" (Horovod's
             Adasum of the ranks' unscaled gradients, per tensor; needs an MPI-built Horovod,
@@ -119,7 +123,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
 
     Raises:
         ValueError: an argument it cannot use, named in the message; checked before Horovod
-            starts (`tfdist.strategy_options`). Also `op="adasum"` where this launch cannot run it.
+            starts (`tfdist.strategy_options`). Also `op="adasum"` where this launch cannot run it,
+            and `compression="bf16"` where this Horovod build or a GPU replica lacks bfloat16.
         TypeError: an argument of the wrong type, named in the message.
         HorovodNotAvailableError: Horovod is not installed, or was built without TensorFlow.
         KerasHookError: `keras` is older than 3.5 (Keras 2 with TensorFlow 2.15 and older; the
@@ -182,6 +187,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
+        if casts.is_bf16(options.horovod_compression) and casts.bf16_refusal(device):
+            raise ValueError(casts.bf16_refusal(device))  # a GPU replica: NCCL has no bfloat16 here
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
         tf.distribute.Strategy.__init__(self, HorovodExtended(self, device, options))
         keras_metrics.install()

@@ -22,7 +22,7 @@ The model (alpha-beta cost of a ring allreduce, minus what the bucket schedule h
 
 It prints a table per rank count and writes a PNG plot (images/s against ranks, ideal line).
 
-Compression (`--compression none fp16 powersgd:4 topk:0.01`, one table row per method and rank
+Compression (`--compression none fp16 bf16 powersgd:4 topk:0.01`, one table row per method and rank
 count): the gradient bytes become what the method puts on the wire for the model's gradient
 shapes (`--model resnet50` or `--shapes 3072x2048 2048 ...`; `tfdist.exchange.compression_plan`), as
 allreduce-equivalent bytes (top-k's allgather grows with the rank count), and its compute
@@ -184,7 +184,7 @@ def main(argv=None):
     parser.add_argument("--batch_per_rank", type=argtypes.positive_int, help="for images/s")
     parser.add_argument("--png", help="write a plot of images/s (or efficiency) against ranks here")
     parser.add_argument("--compression", type=_spec, nargs="+", default=["none"],
-                        help="methods to model: none, fp16, powersgd[:rank], topk[:density]")
+                        help="methods to model: none, fp16, bf16, powersgd[:rank], topk[:density]")
     parser.add_argument("--shapes", type=_shape, nargs="+", help="gradient shapes, e.g. 3072x2048 2048")
     parser.add_argument("--model", help="take the gradient shapes from this tfdist-benchmark model (resnet50, mlp:wide_mlp)")
     parser.add_argument("--compress_gflops", type=argtypes.positive_float, default=20.0,

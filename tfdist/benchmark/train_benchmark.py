@@ -67,7 +67,7 @@ PARSER.add_argument("--onednn", choices=["default", "on", "off"], default="defau
 PARSER.add_argument("--fused_batchnorm", choices=["on", "off"], default="on",
                     help="tfdist on Keras 3: BatchNormalization on TensorFlow's fused kernel (HorovodStrategy's default)")
 PARSER.add_argument("--compression", default=None, help="tfdist: HorovodStrategy(compression=...): fp16, "
-                    "powersgd[:rank], topk[:density]")
+                    "bf16, powersgd[:rank], topk[:density]")
 PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
                     help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
