@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist import preemption  # noqa: E402
+from tfdist.faults import preemption  # noqa: E402
 from tfdist.callbacks import Checkpointer  # noqa: E402
 from tfdist.callbacks.checkpoint import training_variables  # noqa: E402
 
@@ -138,7 +138,7 @@ def train(strategy, case, work, interrupt):
 
 
 def custom_loop(strategy, model, folder, signaller, counter):
-    """A custom training loop with `tfdist.preemption.StepAgreement` and its own checkpoint file
+    """A custom training loop with `tfdist.faults.preemption.StepAgreement` and its own checkpoint file
     (as a user writes it); `counter.start`: the step it starts at."""
     optimizer, state = model.optimizer, os.path.join(folder, "loop-state.npz")
     with strategy.scope():
