@@ -120,8 +120,9 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             `DistributedGradientTape` loop). A size in MB (2**20 bytes): buckets of about that size, last layers
             first, each one grouped allreduce issued when its gradients exist. 0: each dtype's
             gradients as one grouped allreduce once the last gradient exists. Every schedule
-            overlaps the exchange with the rest of backprop except 0 (docs/PERFORMANCE.md has the
-            measurements on emulated 1 Gbit/s links).
+            overlaps the exchange with the rest of backprop except 0 (measured on emulated 1 Gbit/s
+            links: docs/benchmarks/records-2026-11-23-multihost.md and
+            records-2026-11-24-exchange-compression.md).
         fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
             kernel, as tf-keras does (`tfdist.keras.fused_batchnorm`: same results, falls back
             where it would differ); False leaves Keras' own implementation.

@@ -118,7 +118,7 @@ def train(strategy, case, work, interrupt):
             custom_loop(strategy, model, folder, signaller, counter)
         elif source == "arrays":
             # Keras 3 draws the same permutation every epoch; tf-keras a new one, which a resumed
-            # process would not repeat (docs/FAULTS.md), so its arrays are not shuffled here.
+            # process would not repeat (docs/faults/PREEMPTION.md), so its arrays are not shuffled here.
             model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=not LEGACY, verbose=0,
                       callbacks=callbacks)
         else:

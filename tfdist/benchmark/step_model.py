@@ -33,7 +33,7 @@ bandwidth by the one that makes the one-collective prediction at N ranks equal a
 (`effective_bandwidth`). It folds in what the nominal rate leaves out (per-collective overhead,
 protocol and copying costs, compute slowed by communication sharing its cores). On emulated
 1 Gbit/s links it brought the bucketed predictions from 12-22% low to within 15%
-(docs/PERFORMANCE.md).
+(docs/benchmarks/records-2026-11-23-multihost.md).
 """
 
 import argparse

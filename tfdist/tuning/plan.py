@@ -148,7 +148,8 @@ def _inter_op_threads(asked, cpus, reasons):
 # exchanges a readiness message with the other ranks each time: measured here, about 3,500
 # context switches a second and 6-8% of a core per idle rank, taken from ranks pinned to few
 # cores. On CPU a training step takes 100s of ms, so a 10 ms cycle costs nothing measurable in
-# latency (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s, docs/PERFORMANCE.md). GPU steps can
+# latency (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s,
+# docs/benchmarks/records-2026-11-22-intel-xeon.md). GPU steps can
 # be a few ms, so GPU jobs keep Horovod's default.
 CPU_CYCLE_TIME_MS = 10
 
