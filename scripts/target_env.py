@@ -30,12 +30,12 @@ class TargetError(Exception):
 
 
 def tfdist_module(name):
-    """A standard-library-only module of the checkout's tfdist/ (versions, install_horovod), loaded
+    """A standard-library-only module of the checkout's tfdist/horovod_build/ (versions, install), loaded
     by path as tfdist-install-horovod runs before tfdist is installed: no `import tfdist`, whose
     start-up tunes this process's threads."""
-    folder = os.path.join(ROOT, "tfdist")
+    folder = os.path.join(ROOT, "tfdist", "horovod_build")
     if folder not in sys.path:
-        sys.path.insert(0, folder)  # install_horovod imports its siblings so when run by path
+        sys.path.insert(0, folder)  # install imports its siblings so when run by path
     spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

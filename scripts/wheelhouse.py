@@ -35,7 +35,7 @@ import target_env
 from target_env import TargetError
 
 VERSIONS = target_env.tfdist_module("versions")
-RUNTIME_REQUIREMENTS = target_env.tfdist_module("install_horovod").RUNTIME_REQUIREMENTS  # Horovod's, for its install
+RUNTIME_REQUIREMENTS = target_env.tfdist_module("install").RUNTIME_REQUIREMENTS  # Horovod's, for its install
 
 
 def requirements(wheel, args):

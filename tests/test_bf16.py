@@ -18,7 +18,7 @@ import pytest
 
 import bf16_reference
 from conftest import BIN, ROOT, flavor_env, run_job
-from tfdist import horovod_toolchain as toolchain
+from tfdist.horovod_build import toolchain
 
 WORKER = ROOT / "tests" / "multirank" / "bf16_checks.py"
 PY = f"cp{sys.version_info[0]}{sys.version_info[1]}"

@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from conftest import ROOT
-from tfdist import horovod_toolchain as toolchain
-from tfdist import install_horovod as ih
+from tfdist.horovod_build import toolchain
+from tfdist.horovod_build import install as ih
 
-MODULE = ROOT / "tfdist" / "install_horovod.py"
+MODULE = ROOT / "tfdist" / "horovod_build" / "install.py"
 BOOTSTRAP = ROOT / "scripts" / "bootstrap.sh"
 PY = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 
@@ -178,7 +178,7 @@ def test_bootstrap_installs_system_packages_only_when_asked():
 def test_the_declared_range_is_setup_cfgs_and_the_install_notes_versions_outside_it():
     import configparser
 
-    from tfdist import versions
+    from tfdist.horovod_build import versions
 
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")

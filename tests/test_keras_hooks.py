@@ -25,7 +25,7 @@ import keras
 {setup}
 import tfdist
 from tfdist import _compat
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 try:
     tfdist.HorovodStrategy(tuning=False, watchdog=False, check_consistency=False)
 except tfdist.TfdistError as e:
@@ -161,7 +161,7 @@ WRAPPED = '''
 import functools, json, logging, types
 import numpy as np
 from tfdist import _compat
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 keras = keras_module()
 cls = _compat.model_classes("test")[-1][0]  # the class whose fit tfdist wraps, for this flavour
 tracker = types.ModuleType("tracker")

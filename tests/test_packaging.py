@@ -46,8 +46,8 @@ def test_wheel_holds_only_the_tfdist_namespace(installed):
     for module in ("tfdist/pipelines/reader.py", "tfdist/callbacks/checkpoint.py", "tfdist/benchmark/train_benchmark.py", "tfdist/launch/runner.py"):
         assert module in names
     # tfdist-install-horovod applies these to Horovod's sdist: an installed tfdist must carry them all
-    patches = sorted(p.name for p in (ROOT / "tfdist" / "horovod_patches").glob("*.patch"))
-    assert patches and sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("tfdist/horovod_patches/")) == patches
+    patches = sorted(p.name for p in (ROOT / "tfdist" / "horovod_build" / "patches").glob("*.patch"))
+    assert patches and sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("tfdist/horovod_build/patches/")) == patches
 
 
 def test_installed_package_imports_as_one_namespace(installed):
@@ -227,7 +227,7 @@ def test_fresh_environment_installs_horovod_and_trains(installed, tmp_path_facto
     """
     from importlib import metadata
 
-    from tfdist import install_horovod
+    from tfdist.horovod_build import install as install_horovod
 
     wheel, _ = installed
     try:

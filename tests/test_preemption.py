@@ -236,7 +236,7 @@ ONE_PROCESS = """
 import os, signal, json
 import numpy as np
 import tfdist
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 keras = keras_module()
 strategy = tfdist.HorovodStrategy(tuning=False)
 with strategy.scope():

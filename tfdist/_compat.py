@@ -9,7 +9,7 @@ Other tfdist modules reach these internals only through the names below:
 - TensorFlow (lazy, so that `tfdist-run` never imports TensorFlow): the `tensorflow.python`
   modules `distribute_utils`, `one_device_strategy` and `input_util`, which `HorovodStrategy` is
   built from, `distributed_values`, `distributed_values_util` and `saveable_object`, which
-  `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `tf_function_class`, `tf_function_jit_compile` and `tf_function_settings` (which `tfdist.xla` retraces), `global_seed`, `compute_batch_size`,
+  `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `tf_function_class`, `tf_function_jit_compile` and `tf_function_settings` (which `tfdist.exchange.xla` retraces), `global_seed`, `compute_batch_size`,
   `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`; the
   saving functions `tfdist.keras.chief_saves` wraps (`tf_saved_model_modules`, `tf_checkpoint_classes`)
   and a `CheckpointManager`'s private settings (`checkpoint_manager_settings`,
@@ -31,7 +31,7 @@ import os
 import sys
 
 from tfdist.errors import KerasHookError
-from tfdist.keras_flavour import legacy_requested
+from tfdist.keras.flavour import legacy_requested
 
 CHECKED_AGAINST = "TensorFlow 2.21.0, Keras 3.15.1, tf-keras 2.21.0, Horovod 0.28.1"
 
@@ -79,7 +79,7 @@ def in_xla_context(graph):
 
 
 def tf_function_class():
-    """The class `tf.function` returns (`Function`), whose `__call__` `tfdist.xla` wraps."""
+    """The class `tf.function` returns (`Function`), whose `__call__` `tfdist.exchange.xla` wraps."""
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
 
     return polymorphic_function.Function

@@ -19,7 +19,7 @@ In the TensorFlow profiler's trace each collective is named (`named()`): its ops
 `tfdist_allreduce/`, `tfdist_adasum/`, `tfdist_broadcast/`, `tfdist_allgather/` or the scope its
 caller gives (`tfdist_metric_sync`, `tfdist_loss_scale_agreement`). `start_timeline()` /
 `stop_timeline()` record Horovod's own timeline for chosen steps (callbacks.ProfileSteps). Run
-eagerly, each collective is also marked for the hang detector (`tfdist.hang`).
+eagerly, each collective is also marked for the hang detector (`tfdist.faults.hang`).
 """
 
 import contextlib
@@ -30,7 +30,9 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _compat, hang, xla
+from tfdist import _compat
+from tfdist.faults import hang
+from tfdist.exchange import xla
 from tfdist.errors import HorovodNotAvailableError
 
 INSTALL_HINT = (
@@ -159,7 +161,7 @@ def named(scope, kind=None, name=None):
 
     In a graph (`tf.function`, `model.fit`) it is a `tf.name_scope`, so the ops are
     `.../scope/HorovodAllreduce...`; run eagerly, where ops have no scope, it is a profiler range
-    of that name around them (free when the profiler is off), and a `tfdist.hang` mark (`kind`
+    of that name around them (free when the profiler is off), and a `tfdist.faults.hang` mark (`kind`
     and `name`: the collective, e.g. "allreduce", "tfdist.metrics", as the hang detector names it).
     Every Horovod op tfdist builds is inside one, so a graph trace checks here, once for all,
     that XLA is not asked to compile it (`check_not_in_xla`).
@@ -361,7 +363,7 @@ def xla_ops_available():
 
     tfdist's Horovod build (`tfdist-install-horovod`) leaves out `xla_mpi_ops.cc` (it does not
     compile against TF 2.21), so `jit_compile=True` functions are compiled around the collectives
-    (`tfdist.xla`).
+    (`tfdist.exchange.xla`).
     """
     hvd_dir = os.path.dirname(horovod().__file__)
     for lib in glob.glob(os.path.join(hvd_dir, "tensorflow", "mpi_lib*.so")):

@@ -20,7 +20,7 @@ import logging
 import tensorflow as tf
 
 from tfdist import _compat, collectives
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 
 log = logging.getLogger("tfdist")
 

@@ -26,10 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import collectives, consistency, hang_detector, input_contract, keras_flavour, versions, xla
-from tfdist import gpu as gpu_lib
+from tfdist import collectives, input_contract
+from tfdist.faults import consistency
+from tfdist.faults import hang_detector
+from tfdist.keras import flavour as keras_flavour
+from tfdist.horovod_build import versions
+from tfdist.exchange import xla
+from tfdist.tuning import gpu as gpu_lib
 from tfdist import precision as precision_lib
-from tfdist import watchdog as watchdog_lib
+from tfdist.faults import watchdog as watchdog_lib
 from tfdist.errors import KerasHookError
 from tfdist.exchange import casts
 from tfdist.exchange import gradients as gradient_exchange
@@ -41,7 +46,7 @@ from tfdist.keras import predictions as keras_predict
 from tfdist.keras import progress as quiet_ranks
 from tfdist.keras import step_marks, step_outputs
 from tfdist.keras.recognise import multi_rank_strategy_of  # noqa: F401  (this module's name for it since 0.1)
-from tfdist.keras_flavour import legacy_requested
+from tfdist.keras.flavour import legacy_requested
 from tfdist.strategy_extended import HorovodExtended
 from tfdist.strategy_options import StrategyOptions
 from tfdist.tuning import plan as tuning_lib
@@ -55,7 +60,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
     """Data-parallel strategy over Horovod: one replica per process, on this rank's device.
 
     Args:
-        device: device for this rank's replica; default: this rank's GPU (the one `tfdist.gpu`
+        device: device for this rank's replica; default: this rank's GPU (the one `tfdist.tuning.gpu`
             left visible to it, or `GPU:<local_rank>` of the visible GPUs) or else the CPU.
             "gpu" insists on this rank's GPU: with none visible, `GPUNotFoundError` names what
             was found (driver, CUDA_VISIBLE_DEVICES, TensorFlow's build and devices); so does
@@ -103,11 +108,11 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         horovod: Horovod knobs set before `hvd.init()` unless already in the environment:
             `fusion_threshold_mb`, `cycle_time_ms`, `timeline` (a file path), `autotune` (bool).
         watchdog: with more than one rank, a dead or stalled rank makes every other rank exit
-            naming it (`tfdist.watchdog`): True (timeout from `TFDIST_WATCHDOG_TIMEOUT`, default
+            naming it (`tfdist.faults.watchdog`): True (timeout from `TFDIST_WATCHDOG_TIMEOUT`, default
             20 s), a number of seconds, or False.
         check_consistency: compare versions, tfdist's source, the main script and `fingerprint`
             across ranks now, and the first distributed dataset's batch size, structure and
-            manifest (`tfdist.consistency`); a difference raises `RankMismatchError`.
+            manifest (`tfdist.faults.consistency`); a difference raises `RankMismatchError`.
         fingerprint: any string that must be equal on every rank (a config hash, a git commit).
         bucket_mb: how gradients are scheduled. None (default): each gradient is an allreduce
             of its own, issued the moment backprop produces it, and Horovod fuses whatever is
@@ -115,8 +120,9 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             `DistributedGradientTape` loop). A size in MB (2**20 bytes): buckets of about that size, last layers
             first, each one grouped allreduce issued when its gradients exist. 0: each dtype's
             gradients as one grouped allreduce once the last gradient exists. Every schedule
-            overlaps the exchange with the rest of backprop except 0 (docs/PERFORMANCE.md has the
-            measurements on emulated 1 Gbit/s links).
+            overlaps the exchange with the rest of backprop except 0 (measured on emulated 1 Gbit/s
+            links: docs/benchmarks/records-2026-11-23-multihost.md and
+            records-2026-11-24-exchange-compression.md).
         fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
             kernel, as tf-keras does (`tfdist.keras.fused_batchnorm`: same results, falls back
             where it would differ); False leaves Keras' own implementation.

@@ -18,7 +18,8 @@ import logging
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives, consistency, input_contract, rank_variables
+from tfdist import _compat, collectives, input_contract, rank_variables
+from tfdist.faults import consistency
 from tfdist.cluster_resolver import HorovodClusterResolver
 from tfdist.errors import RankMismatchError
 from tfdist.exchange import gradients as gradient_exchange

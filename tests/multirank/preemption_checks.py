@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist import preemption  # noqa: E402
+from tfdist.faults import preemption  # noqa: E402
 from tfdist.callbacks import Checkpointer  # noqa: E402
 from tfdist.callbacks.checkpoint import training_variables  # noqa: E402
 
@@ -118,7 +118,7 @@ def train(strategy, case, work, interrupt):
             custom_loop(strategy, model, folder, signaller, counter)
         elif source == "arrays":
             # Keras 3 draws the same permutation every epoch; tf-keras a new one, which a resumed
-            # process would not repeat (docs/FAULTS.md), so its arrays are not shuffled here.
+            # process would not repeat (docs/faults/PREEMPTION.md), so its arrays are not shuffled here.
             model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=not LEGACY, verbose=0,
                       callbacks=callbacks)
         else:
@@ -138,7 +138,7 @@ def train(strategy, case, work, interrupt):
 
 
 def custom_loop(strategy, model, folder, signaller, counter):
-    """A custom training loop with `tfdist.preemption.StepAgreement` and its own checkpoint file
+    """A custom training loop with `tfdist.faults.preemption.StepAgreement` and its own checkpoint file
     (as a user writes it); `counter.start`: the step it starts at."""
     optimizer, state = model.optimizer, os.path.join(folder, "loop-state.npz")
     with strategy.scope():

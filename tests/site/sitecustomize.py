@@ -5,7 +5,7 @@ With TensorFlow and Keras loaded, Python's final collection takes about a second
 an idle 2-core machine (8-11 s under load, against 0.7-1.5 s with it skipped), horovodrun waits
 for its slowest rank, and the suite starts a few hundred such processes. What a test checks is
 written before exit (rank<R>.json, logs, checkpoints); tfdist's own preempted exit skips the same
-collection (tfdist.preemption). Test processes only: nothing here is part of tfdist.
+collection (tfdist.faults.preemption). Test processes only: nothing here is part of tfdist.
 """
 
 import atexit

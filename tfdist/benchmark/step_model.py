@@ -33,7 +33,7 @@ bandwidth by the one that makes the one-collective prediction at N ranks equal a
 (`effective_bandwidth`). It folds in what the nominal rate leaves out (per-collective overhead,
 protocol and copying costs, compute slowed by communication sharing its cores). On emulated
 1 Gbit/s links it brought the bucketed predictions from 12-22% low to within 15%
-(docs/PERFORMANCE.md).
+(docs/benchmarks/records-2026-11-23-multihost.md).
 """
 
 import argparse
@@ -41,7 +41,7 @@ import dataclasses
 import math
 import sys
 
-from tfdist import argtypes
+from tfdist.benchmark import argtypes
 from tfdist.exchange import compression_plan
 from tfdist.units import MB
 
@@ -138,7 +138,7 @@ def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, 
 def model_shapes(name):
     """The trainable variables' shapes of a tfdist-benchmark model (imports TensorFlow)."""
     from tfdist.benchmark.models import build_model
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     model = build_model(keras_module(), name, 224 if not name.startswith("mlp") else 32, 1000)
     return [list(v.shape) for v in model.trainable_variables]

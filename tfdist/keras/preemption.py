@@ -3,7 +3,7 @@
 Installed by `HorovodStrategy()`, in every `fit` of a model under it (`tfdist.keras.fit_callbacks`):
 
 - a SIGTERM or SIGUSR1 to any rank (or to all, as `srun` and `scancel` send it) stops every rank
-  after the same step (`tfdist.preemption.StepAgreement`), never after an epoch's last step (the
+  after the same step (`tfdist.faults.preemption.StepAgreement`), never after an epoch's last step (the
   epoch's end, validation and epoch-end saves run first);
 - there the job's own checkpointing saves: Keras' `BackupAndRestore` (any `save_freq`, both
   flavours), `tfdist.callbacks.Checkpointer`, `ModelCheckpoint` (by its own rules), and any
@@ -30,7 +30,8 @@ from __future__ import annotations
 import logging
 import math
 
-from tfdist import _compat, _compat_state, collectives, preemption
+from tfdist import _compat, _compat_state, collectives
+from tfdist.faults import preemption
 from tfdist.keras import fit_callbacks
 
 log = logging.getLogger("tfdist")
@@ -77,7 +78,7 @@ def _hiding_read_only_batches(method):
 
 
 def _base():
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     return keras_module().callbacks.Callback
 

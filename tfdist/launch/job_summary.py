@@ -34,9 +34,9 @@ import sys
 
 from tfdist.launch import launcher_output
 from tfdist.launch import recovery
-from tfdist.watchdog_support import LINE_CHARS, clip
+from tfdist.faults.watchdog_support import LINE_CHARS, clip
 
-STOPPED_CODE = 3  # tfdist.watchdog.EXIT_CODE (not imported here: the watchdog loads TensorFlow)
+STOPPED_CODE = 3  # tfdist.faults.watchdog.EXIT_CODE (not imported here: the watchdog loads TensorFlow)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _VERDICT = re.compile(r"tfdist watchdog: rank \d+ \(host .+?, pid \d+\) .+?\. Stopping ")
 # A rank's stderr line as horovodrun ("[1]<stderr>:") or mpirun --tag-output ("[1,1]<stderr>:") tags it.

@@ -31,7 +31,7 @@ _TF_START_UP = re.compile(r"^(?:WARNING: All log messages before absl::Initializ
                           r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] "
                           r"|To enable the following instructions: )")
 _RANK_TAG = re.compile(r"^\[\d+(?:,\d+)?\]<std(?:out|err)>:")
-PREEMPTED_CODE = 75  # tfdist.preemption.EXIT_CODE (not imported: it loads TensorFlow)
+PREEMPTED_CODE = 75  # tfdist.faults.preemption.EXIT_CODE (not imported: it loads TensorFlow)
 _PREEMPTED = re.compile(r"tfdist preemption: (.+?): every rank stopped together; (.+?)\. Exit code 75")
 
 

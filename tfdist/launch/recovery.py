@@ -35,7 +35,7 @@ from tfdist.launch.launcher_output import (  # noqa: F401  (re-exported)
 RESTART_ENV = "TFDIST_RESTART"
 CAUSE_ENV = "TFDIST_RESTART_CAUSE"
 PROGRESS_ENV = "TFDIST_PROGRESS_FILE"
-CONTROL_ENV = "TFDIST_CONTROL_FILE"  # tfdist.preemption.CONTROL_ENV: tfdist-run asks the job to stop (grow back)
+CONTROL_ENV = "TFDIST_CONTROL_FILE"  # tfdist.faults.preemption.CONTROL_ENV: tfdist-run asks the job to stop (grow back)
 
 # Errors that a relaunch would meet again at the same point: not worth a restart.
 DETERMINISTIC = ("SyntaxError", "ModuleNotFoundError", "ImportError", "RankMismatchError",

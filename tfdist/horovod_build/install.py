@@ -4,8 +4,8 @@
 pip install '/path/to/tfdist[cpu]'        # tfdist and TensorFlow 2.16 to 2.21 (CPU)
 tfdist-install-horovod                    # Horovod into the same environment (no root)
 tfdist-install-horovod --dry-run          # what it would do
-python -m tfdist.install_horovod          # the same command
-python tfdist/install_horovod.py          # the same, before tfdist itself is installed
+python -m tfdist.horovod_build.install          # the same command
+python tfdist/horovod_build/install.py          # the same, before tfdist itself is installed
 ```
 
 `pip install horovod==0.28.1` cannot build against TensorFlow 2.21. This command installs into
@@ -18,7 +18,7 @@ the environment of the Python running it (`sys.executable`):
    of the patch set, so a wheel built with other patches is not reused), or builds one from the
    PyPI sdist (once, about 10 minutes), with `--no-build-isolation`,
    `CMAKE_POLICY_VERSION_MINIMUM=3.5` (CMake 4 rejects the vendored Gloo otherwise) and the
-   patches in tfdist/horovod_patches/ applied to the sdist (docs/INSTALL.md lists them: without
+   patches in tfdist/horovod_build/patches/ applied to the sdist (docs/INSTALL.md lists them: without
    `xla_mpi_ops.cc`, which does not compile against TF 2.21's XLA headers, and Keras 3 support).
    With the GPU stack (`tensorflow[and-cuda]`, or `--gpu yes`) it builds Horovod's NCCL operations
    too, cached apart (`...-nccl`): see `cuda_toolkit()` and docs/GPU.md.
@@ -44,13 +44,13 @@ import sysconfig
 import tempfile
 import time
 
-# Run by path (`python tfdist/install_horovod.py`) the toolchain is a sibling file, not a tfdist module.
+# Run by path (`python tfdist/horovod_build/install.py`) the toolchain is a sibling file, not a tfdist module.
 if __package__:
-    from tfdist import horovod_toolchain as toolchain
-    from tfdist import versions
+    from tfdist.horovod_build import toolchain
+    from tfdist.horovod_build import versions
 else:  # run as a file (tests/test_install_horovod.py runs it so): its folder holds the toolchain
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import horovod_toolchain as toolchain
+    import toolchain
     import versions
 
 TF_DISTRIBUTIONS = ("tensorflow-cpu", "tensorflow")  # tfdist[cpu], tfdist[gpu]
@@ -102,7 +102,7 @@ def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None,
     """Detect TensorFlow, MPI and the GPU stack in this environment (each overridable for tests).
 
     gpu: auto (NCCL where the GPU stack is installed), yes (NCCL, required), no (never NCCL);
-    patch_dir: where the patch files are (default tfdist/horovod_patches)."""
+    patch_dir: where the patch files are (default tfdist/horovod_build/patches)."""
     notes = []
     if tf is None:
         found = [(name, toolchain.installed_version(name)) for name in TF_DISTRIBUTIONS]
@@ -275,7 +275,7 @@ def run(args):
 
 
 def main(argv=None):
-    startup = sys.modules.get("tfdist.tuning.startup")  # `python -m tfdist.install_horovod` imported tfdist
+    startup = sys.modules.get("tfdist.tuning.startup")  # `python -m tfdist.horovod_build.install` imported tfdist
     if startup is not None:
         startup.undo()  # no per-rank tuning or core pinning for the compiler and pip
     parser = argparse.ArgumentParser(allow_abbrev=False,

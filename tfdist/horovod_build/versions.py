@@ -7,11 +7,11 @@ TensorFlow outside it, `HorovodStrategy()` refuses Keras 2 (TensorFlow 2.15 and 
 before 3.5 before anything starts, and scripts/version_matrix.py runs the 2-rank checks on every cell
 (docs/INSTALL.md, "Versions").
 
-Standard library only: `tfdist/install_horovod.py` imports it by path, before TensorFlow or tfdist
+Standard library only: `tfdist/horovod_build/install.py` imports it by path, before TensorFlow or tfdist
 is importable.
 
 ```python
-from tfdist import versions
+from tfdist.horovod_build import versions
 versions.tf_in_range("2.18.1")   # True
 versions.RANGE_TEXT              # 'TensorFlow 2.16 to 2.21 (with the tf-keras of the same minor version)'
 versions.keras_refusal("2.15.1", "2.15.0")  # the message HorovodStrategy() raises there

@@ -22,7 +22,7 @@ launcher. tfdist turns it into an orderly stop:
 A custom training loop uses `StepAgreement` directly:
 
 ```python
-from tfdist import preemption
+from tfdist.faults import preemption
 agreement = preemption.StepAgreement()          # catches SIGTERM/SIGUSR1 from now on
 for step in range(start, total_steps):
     train_step()
@@ -51,9 +51,10 @@ import time
 
 import tensorflow as tf
 
-from tfdist import collectives, watchdog
+from tfdist import collectives
+from tfdist.faults import watchdog
 from tfdist.errors import PreemptionError
-from tfdist.watchdog_support import host_name
+from tfdist.faults.watchdog_support import host_name
 
 log = logging.getLogger("tfdist")
 
@@ -274,7 +275,7 @@ class StepAgreement:
         return stop_at
 
 
-def barrier(name="tfdist.preemption.saved"):
+def barrier(name="tfdist.faults.preemption.saved"):
     """Wait until every rank got here (the chief's saves are finished before anyone exits)."""
     if collectives.process_size() > 1:
         collectives.allreduce([tf.zeros([1], tf.int32)], name=name)
