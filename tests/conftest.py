@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -142,8 +143,35 @@ def communicate_or_kill(proc, timeout, grace=0):
     try:
         return (*proc.communicate(timeout=timeout), False)
     except subprocess.TimeoutExpired:
+        survivors = describe_session(proc.pid)
         kill_group(proc, grace)
-        return (*proc.communicate(), True)
+        stdout, stderr = proc.communicate()
+        return (stdout or "") + survivors, stderr, True
+
+
+def describe_session(session):
+    """What still runs of a job started with start_new_session (`session`: its pid): one line per
+    process of its session or below it, and each Python process' stacks where py-spy is installed. For the
+    message of a test whose job did not end."""
+    import psutil
+    lines = []
+    try:  # with the filters of their own session that a subreaper among them adopted
+        descendants = {p.pid for p in psutil.Process(session).children(recursive=True)}
+    except psutil.Error:
+        descendants = set()
+    for p in psutil.process_iter(["pid", "ppid", "status", "cmdline"]):
+        try:
+            if os.getsid(p.pid) != session and p.pid not in descendants:
+                continue
+        except OSError:
+            continue
+        cmd = " ".join(p.info["cmdline"] or [])[:160]
+        lines.append(f"  pid {p.pid} (parent {p.info['ppid']}, {p.info['status']}): {cmd}")
+        spy = shutil.which("py-spy", path=str(BIN)) or shutil.which("py-spy")  # the venv's (bootstrap)
+        if spy and "python" in cmd:
+            dump = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=60)
+            lines.extend("    " + line for line in (dump.stdout + dump.stderr).splitlines())
+    return "\n[still running when the test gave up]\n" + "\n".join(lines) + "\n"
 
 
 def wait_or_kill(procs, timeout, fail_fast=False):

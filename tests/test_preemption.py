@@ -69,7 +69,7 @@ def _launch(phase, work, out, flavor):
                         pass
                 time.sleep(1)
     output, _, timed_out = communicate_or_kill(proc, 300)
-    assert not timed_out, f"phase {phase} timed out:\n{_tail(output)}"
+    assert not timed_out, f"phase {phase} timed out:\n{_tail(output, 300)}"
     own = json.loads(statuses.read_text()) if ranks else {}
     return proc.returncode, output, signalled, {pid: own.get(str(pid)) for pid in ranks}
 
@@ -292,3 +292,60 @@ def test_one_process_stops_at_once_and_gives_the_signals_back(tmp_path, flavor):
     # same fit again trains the 14 steps left of 2 epochs of 8 (the first fit that raised made 2 steps)
     assert seen == {"during": True, "after_error": True, "exit_code": 75, "after_stop": True,
                     "resumed_from": 4, "steps": 18, "after_resume": True}, seen
+
+
+STUCK_AT_EXIT = """
+import os, sys, threading, time
+from tfdist import preemption
+
+def stuck_at_exit():  # a thread that is not a daemon: the interpreter's exit waits for it
+    time.sleep(600)
+
+threading.Thread(target=stuck_at_exit).start()
+if sys.argv[1] == "goes_on":  # a program that catches the stop and carries on is left alone
+    try:
+        preemption.exit_preempted("nothing saved", saved=False)
+    except SystemExit:
+        pass
+    time.sleep(3)
+    print("still running", flush=True)
+    os._exit(0)
+preemption.exit_preempted("nothing saved", saved=False)
+"""
+
+
+def test_an_exit_stuck_after_the_stop_ends_with_75_and_shows_where():
+    env = make_job_env({"TFDIST_PREEMPTION_EXIT_SECONDS": "1"})
+    stuck = subprocess.run([sys.executable, "-c", STUCK_AT_EXIT, "exits"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert stuck.returncode == 75, stuck.stderr[-3000:]
+    assert re.search(r"tfdist preemption: rank 0 \(host .+, pid \d+\) had not ended 1 s into its exit after the "
+                     r"stop \(TFDIST_PREEMPTION_EXIT_SECONDS\); ending it with 75\. Its threads:", stuck.stderr)
+    assert "in stuck_at_exit" in stuck.stderr, stuck.stderr[-3000:]
+    goes_on = subprocess.run([sys.executable, "-c", STUCK_AT_EXIT, "goes_on"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert goes_on.returncode == 0 and goes_on.stdout == "still running\n", goes_on.stderr[-3000:]
+
+
+HOROVODRUN_SIGNALLED_TWICE = """
+import signal
+from horovod.runner import gloo_run
+event = gloo_run.register_shutdown_event()  # what horovodrun --gloo does before it starts the ranks
+handler = signal.getsignal(signal.SIGTERM)
+handler(signal.SIGTERM, None)  # the first SIGTERM
+with event._cond:  # a second one, handled while the first one's Event.set() holds the event's lock
+    handler(signal.SIGTERM, None)
+print("RESULT", event.is_set())
+"""
+
+
+def test_horovodrun_takes_stop_signals_that_come_together():
+    """Slurm's SIGTERM and tfdist-run's reach horovodrun at once: Horovod's own handler then waited
+    for a lock its thread held, forever (tfdist's patch 0009-gloo-run-signal-once.patch)."""
+    from conftest import python_results
+
+    try:
+        assert python_results(HOROVODRUN_SIGNALLED_TWICE, timeout=60) == ["True"]
+    except subprocess.TimeoutExpired:
+        pytest.fail("horovodrun's SIGTERM handler deadlocks when a second signal comes during the first: "
+                    "this Horovod lacks tfdist's patch 0009-gloo-run-signal-once.patch")

@@ -34,12 +34,15 @@ agreement.close()                                # signals back to their previou
 
 Environment: `TFDIST_PREEMPTION_SIGNALS` (comma-separated names, default `TERM,USR1`; `none`
 leaves every signal alone), `TFDIST_PREEMPTION_ACK_SECONDS` (how long rank 0 waits for the
-ranks' acknowledgements, default 60).
+ranks' acknowledgements, default 60), `TFDIST_PREEMPTION_EXIT_SECONDS` (how long the interpreter's
+exit may take after the stop before the process prints its threads' stacks and ends with 75,
+default 20).
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import json
 import logging
@@ -63,6 +66,7 @@ SIGNALS_ENV = "TFDIST_PREEMPTION_SIGNALS"
 CONTROL_ENV = "TFDIST_CONTROL_FILE"  # tfdist-run writes {"stop": "epoch_end", "why": ...} there to grow the job
 CONTROL_CHECK_SECONDS = 1.0
 ACK_ENV = "TFDIST_PREEMPTION_ACK_SECONDS"
+EXIT_ENV = "TFDIST_PREEMPTION_EXIT_SECONDS"  # how long the interpreter's exit may take after a stop
 DEFAULT_SIGNALS = "TERM,USR1"
 MARK = "tfdist preemption:"  # every line tfdist prints about it starts so (tfdist-run reads them)
 
@@ -307,6 +311,25 @@ def _skip_final_collection():
     gc.freeze()
 
 
+def _guard_exit(limit, where):
+    """Once the interpreter is ending (its main thread is done), give it `limit` seconds; then print
+    every thread's stack and end the process with `EXIT_CODE`. What is saved is saved by then: a
+    thread or exit handler that never returns (a library's shutdown waiting for a peer that has
+    gone) must not keep the job running until the scheduler kills it, nor turn 75 into 137. A
+    process that caught the SystemExit and goes on is left alone."""
+    main = threading.main_thread()
+    while main.is_alive():
+        time.sleep(0.5)
+    time.sleep(limit)
+    try:
+        sys.stderr.write(f"{MARK} {where} had not ended {limit:g} s into its exit after the stop "
+                         f"({EXIT_ENV}); ending it with {EXIT_CODE}. Its threads:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    finally:
+        os._exit(EXIT_CODE)
+
+
 def exit_preempted(what: str, saved: bool = True) -> None:
     """Every rank: wait for the others, say (chief) what happened, exit with `EXIT_CODE` (75).
 
@@ -321,6 +344,9 @@ def exit_preempted(what: str, saved: bool = True) -> None:
     _ignore_signals_until_exit()
     if not _quick_exit:
         atexit.register(_skip_final_collection)
+        where = f"rank {collectives.process_rank()} (host {host_name()}, pid {os.getpid()})"
+        threading.Thread(target=_guard_exit, args=(float(os.environ.get(EXIT_ENV, 20)), where),
+                         name="tfdist-preemption-exit", daemon=True).start()
         _quick_exit.append(True)
     barrier()
     if collectives.process_rank() == 0:

@@ -77,7 +77,7 @@ def run_once(argv, env, tail_lines=TAIL_LINES, kind=None):
     (a scheduler's early warning, `sbatch --signal=B:USR1@90`) go on as they are to mpirun and
     srun, which pass them to every rank; horovodrun would die of them, so it gets SIGTERM, which
     it passes to every rank (tfdist's preemption stops them gracefully; horovodrun kills what is
-    left after 5 s).
+    left after 5 s). horovodrun gets the first signal only: it stops on one, whatever comes next.
     """
     tail = collections.deque(maxlen=tail_lines)
     held = []  # (sink, raw line): the launcher's own lines, in the order they came
@@ -89,6 +89,8 @@ def run_once(argv, env, tail_lines=TAIL_LINES, kind=None):
 
     def forward(signum, frame):
         stopped.append(signum)
+        if horovodrun and len(stopped) > 1:
+            return  # horovodrun acts on its first stop signal; more only risk its handler (patch 0009)
         passed_on = signal.SIGTERM if horovodrun and signum in (signal.SIGUSR1, signal.SIGUSR2) else signum
         try:
             proc.send_signal(passed_on)
