@@ -538,6 +538,23 @@ def test_tensorboard_logs_are_written_by_the_chief_only(job, tmp_path_factory):
 
 
 @pytest.mark.parametrize("job", JOBS)
+def test_csv_logger_writes_one_process_log(job, tmp_path_factory):
+    # CSVLogger(append=True) in the shared folder: one header and one line per epoch, as one process
+    # writes. MWMS lets every worker append (so 2 workers write every line twice): not its oracle.
+    if job.startswith("mwms"):
+        pytest.skip("MWMS appends on every worker: each line twice (tf-keras' CSVLogger knows no strategy)")
+    parts = scenario(job, "callbacks", tmp_path_factory)
+    ref = single("callbacks", tmp_path_factory)["csv"]
+    assert ref and len(ref) == 1 + 3 and ref[0].startswith("epoch"), ref
+    for w, p in enumerate(parts):
+        assert p["csv"] is not None and len(p["csv"]) == len(ref), f"worker {w}: {p['csv']}"
+        assert p["csv"][0] == ref[0]
+        for got, want in zip(p["csv"][1:], ref[1:]):
+            np.testing.assert_allclose([float(v) for v in got.split(",")], [float(v) for v in want.split(",")],
+                                       rtol=1e-5)
+
+
+@pytest.mark.parametrize("job", JOBS)
 def test_backup_and_restore_is_written_by_the_chief_only(job, tmp_path_factory):
     parts = scenario(job, "callbacks", tmp_path_factory)
     per_epoch = parts[0]["backup_listing_per_epoch"]

@@ -241,9 +241,9 @@ def keras3_loss_scale_optimizer(hook):
 
 
 def keras3_callback_classes(hook):
-    """Keras 3's (ModelCheckpoint, BackupAndRestore, TensorBoard)."""
+    """Keras 3's (ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger)."""
     callbacks = _import("keras", hook, "keras3").callbacks
-    names = ("ModelCheckpoint", "BackupAndRestore", "TensorBoard")
+    names = ("ModelCheckpoint", "BackupAndRestore", "TensorBoard", "CSVLogger")
     missing = [n for n in names if not hasattr(callbacks, n)]
     if missing:
         raise hook_error(hook, f"keras.callbacks has no {', '.join(missing)}")

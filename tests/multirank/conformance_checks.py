@@ -408,6 +408,7 @@ def callbacks_fit(run):
             keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 if epoch < 2 else 40.0),
             keras.callbacks.ModelCheckpoint(os.path.join(ckpt_dir, "model-{epoch:02d}.keras")),
             keras.callbacks.TensorBoard(tb_dir, profile_batch=0, write_graph=False),
+            keras.callbacks.CSVLogger(os.path.join(run.files, "log.csv"), append=True),
             stopper,
         ])
         print(f"worker {run.worker}: the checkpoint fit ran {len(history.epoch)} epochs, losses "
@@ -425,6 +426,8 @@ def callbacks_fit(run):
     run.barrier()
     results["ckpt_listing"] = listing(ckpt_dir)
     results["tb_listing"] = listing(tb_dir)
+    csv_path = os.path.join(run.files, "log.csv")
+    results["csv"] = open(csv_path).read().splitlines() if os.path.exists(csv_path) else None
     # (b) BackupAndRestore: the backup exists while training, and is removed at the end.
     model = compiled_model()
     lister = ListAfterEpoch(run, backup_dir)

@@ -47,7 +47,7 @@ def install():
     their position. Raises `KerasHookError` if Keras moved what is wrapped."""
     if _installed:
         return
-    _, backup, _ = _compat.keras3_callback_classes(HOOK)
+    _, backup, *_ = _compat.keras3_callback_classes(HOOK)
     _compat.patch_method(backup, _compat.KERAS3_SAVE_MODEL, _recording_position, HOOK)
     callback_list = _keras3_callback_list()
     for method in ("on_train_batch_begin", "on_train_batch_end"):
