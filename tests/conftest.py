@@ -155,6 +155,7 @@ def describe_session(session):
     message of a test whose job did not end."""
     import psutil
     lines = []
+    spy = shutil.which("py-spy", path=str(BIN)) or shutil.which("py-spy")  # the venv's (bootstrap)
     try:  # with the filters of their own session that a subreaper among them adopted
         descendants = {p.pid for p in psutil.Process(session).children(recursive=True)}
     except psutil.Error:
@@ -167,9 +168,12 @@ def describe_session(session):
             continue
         cmd = " ".join(p.info["cmdline"] or [])[:160]
         lines.append(f"  pid {p.pid} (parent {p.info['ppid']}, {p.info['status']}): {cmd}")
-        spy = shutil.which("py-spy", path=str(BIN)) or shutil.which("py-spy")  # the venv's (bootstrap)
         if spy and "python" in cmd:
-            dump = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=60)
+            try:
+                dump = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=60)
+            except subprocess.TimeoutExpired:  # the description must not hide the test's own failure
+                lines.append("    (py-spy: no stacks within 60 s)")
+                continue
             lines.extend("    " + line for line in (dump.stdout + dump.stderr).splitlines())
     return "\n[still running when the test gave up]\n" + "\n".join(lines) + "\n"
 
