@@ -296,7 +296,7 @@ def test_one_process_stops_at_once_and_gives_the_signals_back(tmp_path, flavor):
 
 STUCK_AT_EXIT = """
 import os, sys, threading, time
-from tfdist import preemption
+from tfdist.faults import preemption
 
 def stuck_at_exit():  # a thread that is not a daemon: the interpreter's exit waits for it
     time.sleep(600)
