@@ -6,7 +6,10 @@ in $TFDIST_CACHE/sdist; skipped where no build ran) every patch applies, in orde
 """
 
 import glob
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -140,3 +143,43 @@ def test_a_patch_applies_once(patched_sdist):
     with pytest.raises(toolchain.InstallError, match=r"patch 0001-cmake-drop-xla-mpi-ops.patch does not apply to "
                                                      r"horovod/tensorflow/CMakeLists.txt: hunk 1"):
         toolchain.apply_patch(path, patched_sdist)
+
+
+CHECK_BUILD = """
+import multiprocessing, sys
+from horovod.common import util
+if sys.argv[1] == "recorded":  # the answer must come from the file: asking a child process fails
+    def no_child(*args, **kwargs):
+        raise AssertionError("asked a child process")
+    multiprocessing.get_context = no_child
+print("RESULT", util.gloo_built(), util.mpi_built())
+"""
+
+
+def _check_build(mode, cache_home):
+    return subprocess.run([sys.executable, "-c", CHECK_BUILD, mode], env={**os.environ, "XDG_CACHE_HOME": str(cache_home)},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_horovodrun_asks_once_what_the_extension_was_built_with(tmp_path):
+    """Patch 0010: horovodrun's `gloo_built` check imported TensorFlow in a child before every launch."""
+    asked = _check_build("ask", tmp_path)
+    assert asked.returncode == 0 and "RESULT True" in asked.stdout, asked.stdout + asked.stderr
+    checks = json.loads((tmp_path / "horovod" / "extension-checks.json").read_text())
+    assert sorted(key.split("|")[2] for key in checks) == ["built with Gloo", "built with MPI"], checks
+    library = next(iter(checks)).split("|")[0]
+    assert library.endswith(".so") and "tensorflow" in library and os.path.isfile(library)
+
+    recorded = _check_build("recorded", tmp_path)
+    assert recorded.returncode == 0 and recorded.stdout == asked.stdout, recorded.stdout + recorded.stderr
+
+    # another build of the library (other size and mtime) is asked again, not answered from the file
+    (tmp_path / "horovod" / "extension-checks.json").write_text(json.dumps(
+        {key.rsplit("|", 2)[0] + "|1:1|" + key.rsplit("|", 1)[1]: value for key, value in checks.items()}))
+    stale = _check_build("recorded", tmp_path)
+    assert stale.returncode != 0 and "asked a child process" in stale.stderr, stale.stdout + stale.stderr
+
+    # an unwritable cache folder leaves the check as it was
+    (tmp_path / "file").write_text("")
+    unwritable = _check_build("ask", tmp_path / "file")
+    assert unwritable.returncode == 0 and unwritable.stdout == asked.stdout, unwritable.stderr
