@@ -20,6 +20,13 @@ SITE = ROOT / "tests" / "site"  # sitecustomize.py for the processes the tests s
 collect_ignore = ["reference"]
 
 
+# A suite started in the background by a shell without job control (`bash .ci/run &` in a script)
+# inherits SIGINT ignored, and so would every process it starts: the tests that stop a process with
+# SIGINT (Ctrl-C) would see it ignored. A handler here gives the processes it starts the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class JobFailed(AssertionError):
     pass
 
