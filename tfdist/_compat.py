@@ -313,7 +313,8 @@ def rendezvous_classes():
 
 # What the fused path reads of a Keras 3 BatchNormalization, beyond its weights: its constructor
 # arguments (kept as attributes of the same names) and the methods it replaces or must not skip.
-KERAS3_BATCHNORM_ARGS = ("axis", "momentum", "epsilon", "center", "scale", "synchronized", "renorm")
+# `renorm` is newer than Keras 3.12 (what pip gives Python 3.10): read as False where it is absent.
+KERAS3_BATCHNORM_ARGS = ("axis", "momentum", "epsilon", "center", "scale", "synchronized")
 
 
 def keras3_batch_normalization(hook):
