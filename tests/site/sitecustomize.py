@@ -26,7 +26,7 @@ class _KerasOptionalExtras:
     import of them (the digits loaders, the scaling plot) is untouched."""
 
     BLOCKED = ("sklearn", "matplotlib")
-    IMPORTERS = ("keras.src.wrappers", "keras.src.visualization", "tf_keras.src.wrappers")
+    IMPORTERS = ("keras.src.wrappers", "keras.src.visualization")
 
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] not in self.BLOCKED:
