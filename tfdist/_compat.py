@@ -60,10 +60,9 @@ def __getattr__(name):
 
 
 def rank_local_variable(initial_value, name):
-    """A plain variable of this rank alone: created eagerly (also while a `tf.function` traces),
-    and past every variable creator, so no strategy broadcasts or wraps it (gradient
-    compression's error-feedback state). `ResourceVariable(...)` skips the creator stack that
-    `tf.Variable(...)` runs."""
+    """A plain variable of this rank alone, created eagerly (also while a `tf.function` traces) and
+    past every variable creator (`ResourceVariable(...)` skips the stack `tf.Variable` runs), so no
+    strategy broadcasts or wraps it: compression's error feedback, sharded optimizer slices."""
     import tensorflow as tf
 
     with tf.init_scope():
@@ -285,6 +284,27 @@ def hook_of(method):
     return getattr(method, "tfdist_hook", None)
 
 
+def has_hook(method, hook):
+    """Whether tfdist's `hook` is `method` or a method it wraps (hooks installed over each other)."""
+    while method is not None and hook_of(method) != hook:
+        method = getattr(method, "tfdist_original", None)
+    return method is not None
+
+
+def keras3_tf_variable_class(hook):
+    """Keras 3's TensorFlow `keras.Variable`; tf.train.Checkpoint calls its `_serialize_to_tensors`."""
+    cls = _import("keras", hook, "keras3").Variable
+    require_methods(cls, ["_serialize_to_tensors", "_restore_from_tensors"], hook)
+    return cls
+
+
+def merge_call(fn, strategy, *args):
+    """`fn(strategy, *args)` in cross-replica context, as Keras' TF optimizer runs its updates."""
+    import tensorflow as tf
+
+    return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)
+
+
 # --- Keras: private optimizer and model state -----------------------------------------------------
 
 def optimizer_learning_rate(optimizer):
@@ -305,7 +325,6 @@ def rendezvous_classes():
     from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
     return SlotInfo, RendezvousHandler, RendezvousHTTPServer
-
 
 
 # --- Keras: BatchNormalization (tfdist.keras.fused_batchnorm) -------------------------------------

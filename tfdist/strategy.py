@@ -34,6 +34,7 @@ from tfdist.exchange import gradients as gradient_exchange
 from tfdist.keras import callback_writes as keras_callbacks
 from tfdist.keras import chief_saves, fit_callbacks, model_build, recognise
 from tfdist.keras import preemption as keras_preemption
+from tfdist.keras import sharded_optimizer
 from tfdist.keras import metrics as keras_metrics
 from tfdist.keras import predictions as keras_predict
 from tfdist.keras import progress as quiet_ranks
@@ -115,6 +116,13 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
             kernel, as tf-keras does (`tfdist.keras.fused_batchnorm`: same results, falls back
             where it would differ); False leaves Keras' own implementation.
+        shard_optimizer_state: each rank keeps the optimizer state (momentum, Adam's moments) of
+            its 1/N slice of every variable (ZeRO stages 1 and 2): gradients are reduce-scattered,
+            each rank updates its slices, the slices are all-gathered into the whole weights (the
+            bytes of an allreduce). Results equal the unsharded strategy's (1e-5); saves hold the
+            whole state and load on any rank count. Keras 3; optimizers whose update is
+            elementwise (SGD, Adam, AdamW, RMSprop, ..., tfdist's LARS and LARC); refused with
+            `op="adasum"` or PowerSGD/top-k compression (docs/COMMUNICATION.md).
 
     Raises:
         ValueError: an argument it cannot use, named in the message; checked before Horovod
@@ -139,12 +147,13 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
                  check_variables: bool = True, precision: str | None = None,
                  tuning: bool | str | dict[str, Any] = True, horovod: dict[str, Any] | None = None,
                  watchdog: bool | float = True, check_consistency: bool = True, fingerprint: str | None = None,
-                 fused_batchnorm: bool = True, bucket_mb: float | None = None) -> None:
+                 fused_batchnorm: bool = True, bucket_mb: float | None = None,
+                 shard_optimizer_state: bool = False) -> None:
         options = StrategyOptions.from_arguments(
             device, batch_convention=batch_convention, compression=compression, op=op,
             check_variables=check_variables, precision=precision, tuning=tuning, horovod=horovod,
             watchdog=watchdog, check_consistency=check_consistency, fingerprint=fingerprint,
-            fused_batchnorm=fused_batchnorm, bucket_mb=bucket_mb)
+            fused_batchnorm=fused_batchnorm, bucket_mb=bucket_mb, shard_optimizer_state=shard_optimizer_state)
         self.options = options
         tuning_lib.set_horovod_knobs(options.horovod)
         if options.tuning == "measure":
@@ -192,6 +201,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
 
             fused_batchnorm_hook.install()
         precision_lib.install()
+        if options.shard_optimizer_state:
+            sharded_optimizer.install()  # Keras 3 optimizers keep state for their rank's slices (2+ ranks)
         if options.precision is not None:
             precision_lib.set_policy(options.precision)
         if self.tuning_plan is not None:

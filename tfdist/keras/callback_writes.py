@@ -23,7 +23,7 @@ import functools
 import os
 
 from tfdist import _compat
-from tfdist.keras import recognise
+from tfdist.keras import recognise, sharded_saves
 from tfdist.keras.chief_saves import chief_only_saves
 from tfdist.keras.recognise import non_chief_rank, scratch_dir  # noqa: F401  (used by the wrappers)
 
@@ -44,7 +44,7 @@ def install():
     if _compat.tf_keras_in_use():
         tf_keras_backup = _compat.tf_keras_callback_class("BackupAndRestore", HOOK)
         _compat.require_methods(tf_keras_backup, ["on_train_begin"], HOOK, "tf_keras")
-    _compat.patch_method(BackupAndRestore, save_model, _chief_only, HOOK)
+    _compat.patch_method(BackupAndRestore, save_model, lambda m: _gathered_first(_chief_only(m)), HOOK)
     _compat.patch_method(BackupAndRestore, "on_train_end", _chief_only, HOOK)
     _compat.patch_method(TensorBoard, "set_model", lambda m: _before(m, _log_to_scratch, model_arg=True), HOOK)
     if _compat.tf_keras_in_use():
@@ -79,6 +79,16 @@ def _before(method, redirect, model_arg=False):
         if non_chief_rank(model) is not None:
             redirect(self, model)
         return method(self, *args, **kwargs)
+
+    return wrapped
+
+
+def _gathered_first(method):
+    # Every rank gathers sharded optimizer state (a collective) before the chief saves it whole.
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with sharded_saves.gathered_for_save(self.model):
+            return method(self, *args, **kwargs)
 
     return wrapped
 
