@@ -67,6 +67,11 @@ if _compat.tf_keras_in_use():
         "tf_keras.fit, under the progress hook": getattr(tf_keras.Model.fit, "tfdist_original", None),
         "tf_keras.BackupAndRestore._backup": tf_keras.callbacks.BackupAndRestore._backup,
     }})
+    tf_keras_optimizer, tf_keras_loss_scaled = _compat.tf_keras_optimizer_classes("test")
+    for name in ("build", "add_variable_from_reference", "_var_key", "apply_gradients", "_clip_gradients",
+                 "_internal_apply_gradients", "save_own_variables", "load_own_variables"):
+        hooks["tf_keras.Optimizer." + name] = getattr(tf_keras_optimizer, name)
+    hooks["tf_keras.LossScaleOptimizerV3.apply_gradients"] = tf_keras_loss_scaled.apply_gradients
 print("RESULT " + json.dumps({{"hooks": {{k: _compat.hook_of(v) for k, v in hooks.items()}},
                                 "keras_module": keras_module().__name__}}))
 """
@@ -115,6 +120,10 @@ TF_KERAS_HOOKS = {
     "tf_keras.fit": QUIET, "tf_keras.evaluate": QUIET, "tf_keras.predict": QUIET,
     "tf_keras.fit, under the progress hook": FIT_CALLBACKS,
     "tf_keras.BackupAndRestore._backup": PREEMPTION,
+    **{f"tf_keras.Optimizer.{name}": None for name in (
+        "build", "add_variable_from_reference", "_var_key", "apply_gradients", "_clip_gradients",
+        "_internal_apply_gradients", "save_own_variables", "load_own_variables")},
+    "tf_keras.LossScaleOptimizerV3.apply_gradients": None,
 }
 
 
@@ -126,6 +135,16 @@ def test_hooks_in_place_on_keras3():
 def test_sharded_state_hooks_in_place_on_keras3():
     result = run_child(args=", shard_optimizer_state=True")
     assert result["hooks"] == KERAS3_SHARDED_HOOKS
+
+
+def test_sharded_state_hooks_in_place_on_tf_keras():
+    result = run_child(flavor="tf_keras", args=", shard_optimizer_state=True")
+    sharded = {name: SHARDED for name in TF_KERAS_HOOKS if name.startswith(("tf_keras.Optimizer.",
+                                                                             "tf_keras.LossScaleOptimizerV3"))}
+    assert result["hooks"] == {**KERAS3_SHARDED_HOOKS, "keras3.TFOptimizer._all_reduce_sum_gradients": None,
+                               "keras3.TFOptimizer._clip_gradients": SHARDED,
+                               "keras3.TFOptimizer._clip_gradients, under the sharded hook": None,
+                               **TF_KERAS_HOOKS, **sharded}
 
 
 def test_hooks_in_place_on_tf_keras():

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import collectives, consistency, hang_detector, input_contract, xla
+from tfdist import _compat, collectives, consistency, hang_detector, input_contract, xla
 from tfdist import gpu as gpu_lib
 from tfdist import precision as precision_lib
 from tfdist import watchdog as watchdog_lib
@@ -120,9 +120,11 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             its 1/N slice of every variable (ZeRO stages 1 and 2): gradients are reduce-scattered,
             each rank updates its slices, the slices are all-gathered into the whole weights (the
             bytes of an allreduce). Results equal the unsharded strategy's (1e-5); saves hold the
-            whole state and load on any rank count. Keras 3; optimizers whose update is
-            elementwise (SGD, Adam, AdamW, RMSprop, ..., tfdist's LARS and LARC); refused with
-            `op="adasum"` or PowerSGD/top-k compression (docs/COMMUNICATION.md).
+            whole state and load on any rank count (every rank must make a save that holds the
+            optimizer). Keras 3 and tf-keras; optimizers whose update is elementwise (SGD, Adam,
+            AdamW, RMSprop, ..., tfdist's LARS and LARC), others raise `ShardedStateError`
+            naming them; refused with `op="adasum"` or PowerSGD/top-k compression
+            (docs/COMMUNICATION.md).
 
     Raises:
         ValueError: an argument it cannot use, named in the message; checked before Horovod
@@ -203,6 +205,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         precision_lib.install()
         if options.shard_optimizer_state:
             sharded_optimizer.install()  # Keras 3 optimizers keep state for their rank's slices (2+ ranks)
+            if _compat.tf_keras_in_use():
+                from tfdist.keras import sharded_tf_keras
+
+                sharded_tf_keras.install()  # and tf-keras
         if options.precision is not None:
             precision_lib.set_policy(options.precision)
         if self.tuning_plan is not None:

@@ -49,10 +49,11 @@ class VariableSlice:
     def take(self, whole):
         """This rank's slice (padded with zeros) of `whole`, a tensor or array of the variable's shape."""
         flat = tf.reshape(tf.convert_to_tensor(whole), [-1])
-        padding = self.length * self.ranks - self.elements
-        if padding:
-            flat = tf.concat([flat, tf.zeros([padding], flat.dtype)], 0)
-        return flat[self.rank * self.length:(self.rank + 1) * self.length]
+        start, stop = shard_plan.owned_range(self.elements, self.ranks, self.rank)
+        mine = flat[start:stop]
+        if stop - start < self.length:  # the padding of the last slices
+            mine = tf.concat([mine, tf.zeros([self.length - (stop - start)], flat.dtype)], 0)
+        return mine
 
     def whole(self, gathered):
         """The variable's value from every rank's slices in rank order (padding dropped)."""

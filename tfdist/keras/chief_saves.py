@@ -178,8 +178,10 @@ def _hooked(original, what, param, classify):
             # Sharded optimizer state is gathered on every rank first (a collective), so the
             # chief writes it whole; a chief-only save cannot gather (sharded_saves says so).
             roots = [bound.arguments.get(name) for name in ("self", "obj")]
-            with contextlib.nullcontext() if chief_only else sharded_saves.gathered_for_save(*roots), \
-                    rank_variables.local_reads():
+            if what == "model.save" and _suffix(bound.arguments.get("filepath"), (".h5", ".hdf5")) and \
+                    bound.arguments.get("include_optimizer", True):
+                sharded_saves.refuse_hdf5(roots)
+            with sharded_saves.gathered_for_save(*roots, gather=not chief_only), rank_variables.local_reads():
                 call = _Call(original, what, param, bound, *classify(bound.arguments))
                 if not isinstance(call.path, (str, os.PathLike)):
                     return call.run()  # e.g. an open h5py.File: nothing to coordinate

@@ -33,14 +33,15 @@ import tensorflow as tf
 from tfdist import _compat, collectives
 from tfdist.errors import ShardedStateError
 from tfdist.exchange import sharded
-from tfdist.keras import chief_saves, recognise, sharded_saves
+from tfdist.keras import recognise, sharded_saves
 from tfdist.keras_flavour import legacy_requested
 
 log = logging.getLogger("tfdist")
 
 HOOK = "sharded optimizer state"
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion")
-WRAPPERS = ("LossScaleOptimizer",)  # no per-variable state of their own; the inner optimizer is checked
+WRAPPERS = ("LossScaleOptimizer", "LossScaleOptimizerV3")  # no per-variable state; the inner one is checked
+KERAS_MODULES = ("keras.src.optimizers.", "tf_keras.src.optimizers.")
 _base_build = threading.local()  # .depth: inside Keras' base build (its slots stay whole)
 _installed = []
 
@@ -53,7 +54,7 @@ def refusal(optimizer_class):
     if getattr(optimizer_class, "tfdist_shardable", False):
         return None
     name, module = optimizer_class.__name__, optimizer_class.__module__
-    if module.startswith("keras.src.optimizers.") and name in ELEMENTWISE + WRAPPERS:
+    if module.startswith(KERAS_MODULES) and name in ELEMENTWISE + WRAPPERS:
         return None
     return (f"HorovodStrategy(shard_optimizer_state=True) cannot shard the state of optimizer "
             f"{module}.{name}: tfdist shards optimizers whose update of an element reads only that "
@@ -75,25 +76,37 @@ def _sharding_strategy(optimizer):
     return None
 
 
-def _state_for(optimizer):
+def state_for(optimizer):
     """`optimizer`'s ShardedState, started now if its strategy shards state; None for whole state."""
     state = sharded.state_of(optimizer)
     if state is not None or type(optimizer).__name__ in WRAPPERS or _sharding_strategy(optimizer) is None:
         return state
     problem = refusal(type(optimizer))
+    if not problem and getattr(optimizer, "use_ema", False) and legacy_requested():
+        problem = ("HorovodStrategy(shard_optimizer_state=True) does not shard a tf-keras optimizer with "
+                   "use_ema=True (its moving averages are updated with the variables it updates); use Keras 3, "
+                   "or use_ema=False")
     if problem:
         raise ShardedStateError(problem)
     return sharded.start(optimizer, collectives.size(), collectives.rank())
+
+
+def check_before_fit(model):
+    """Refuse, before `fit` traces anything, an optimizer of `model` that its strategy would shard
+    and cannot (tf-keras builds optimizers inside the first step's trace, where the error would
+    reach the user wrapped in TensorFlow's StagingError)."""
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None and type(optimizer).__name__ in WRAPPERS:
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    if optimizer is not None and not isinstance(optimizer, str) and _installed:
+        with model.distribute_strategy.scope():
+            state_for(optimizer)
 
 
 def install():
     """Install the hooks (once); raises `KerasHookError` naming the hook if Keras moved a method."""
     if _installed:
         return
-    if legacy_requested():
-        raise ShardedStateError("HorovodStrategy(shard_optimizer_state=True) shards Keras 3 optimizers; this "
-                                "job runs tf-keras (TF_USE_LEGACY_KERAS=1), whose optimizers it does not shard "
-                                "yet. Use Keras 3, or shard_optimizer_state=False.")
     cls = _compat.keras3_tf_optimizer_class(HOOK)
     methods = ["build", "add_variable_from_reference", "_var_key", "_clip_gradients", "_backend_update_step",
                "save_own_variables", "load_own_variables", "update_step"]
@@ -104,15 +117,15 @@ def install():
     _compat.patch_method(cls, "_var_key", _wrap_var_key, HOOK)
     _compat.patch_method(cls, "_clip_gradients", _wrap_clip, HOOK)
     _compat.patch_method(cls, "_backend_update_step", _wrap_update_step, HOOK)
-    _compat.patch_method(cls, "save_own_variables", _wrap_save, HOOK)
-    _compat.patch_method(cls, "load_own_variables", _wrap_load, HOOK)
+    _compat.patch_method(cls, "save_own_variables", wrap_save, HOOK)
+    _compat.patch_method(cls, "load_own_variables", wrap_load, HOOK)
     _compat.patch_method(variable, "_serialize_to_tensors", _wrap_serialize, HOOK)
     _compat.patch_method(variable, "_restore_from_tensors", _wrap_restore, HOOK)
     _installed.append(True)
 
 
 @contextlib.contextmanager
-def _inside_base_build():
+def inside_base_build():
     _base_build.depth = getattr(_base_build, "depth", 0) + 1
     try:
         yield
@@ -122,15 +135,20 @@ def _inside_base_build():
 
 def _wrap_build(original):
     def build(self, variables):
-        _state_for(self)  # refuses an optimizer it cannot shard before any slot exists
-        with _inside_base_build():
+        state_for(self)  # refuses an optimizer it cannot shard before any slot exists
+        with inside_base_build():
             return original(self, variables)
     return build
 
 
+def in_base_build():
+    """Whether Keras' base `build` is running (its slots, accumulators and EMA averages, stay whole)."""
+    return getattr(_base_build, "depth", 0) > 0
+
+
 def _wrap_add_slot(original):
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
-        if getattr(_base_build, "depth", 0) or _state_for(self) is None:
+        if in_base_build() or state_for(self) is None:
             return original(self, reference_variable, name=name, initializer=initializer)
         state = sharded.state_of(self)
         variable_slice = state.slice_of(self._var_key(reference_variable), reference_variable)
@@ -163,35 +181,38 @@ def _wrap_update_step(original):
         state = sharded.state_of(self)
         if state is None:
             return original(self, grads, trainable_variables, learning_rate)
-        return _sharded_update_step(self, state, list(grads), list(trainable_variables), learning_rate)
+        mode = "slices" if sharded.is_scattered_already() else "local"
+        return sharded_update_step(self, state, list(grads), list(trainable_variables), mode,
+                                   lambda grad, copy: self.update_step(grad, copy, learning_rate))
     return _backend_update_step
 
 
-def _sharded_update_step(optimizer, state, grads, variables, learning_rate):
-    """Reduce-scatter, clip, update this rank's slices with the optimizer's own `update_step`,
-    allgather into the variables."""
+def sharded_update_step(optimizer, state, grads, variables, mode, update_one):
+    """Reduce-scatter, clip, update this rank's slices with the optimizer's own update
+    (`update_one(grad, copy)`), allgather into the variables. `mode`: the gradients are each rank's
+    own ("local": reduce-scattered here), already summed ("whole": sliced here) or this rank's
+    slices of the sum ("slices")."""
     strategy = tf.distribute.get_strategy()
     keys = [optimizer._var_key(v) for v in variables]
     slices = [state.slice_of(k, v) for k, v in zip(keys, variables)]
-    if not sharded.is_scattered_already():
+    if mode == "local":
         grads = strategy.extended.reduce_scatter(grads)
+    elif mode == "whole":
+        grads = [s.take(g) for s, g in zip(slices, grads)]
     grads = sharded.clip(grads, optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue)
     copies = [state.working_copy(k) for k in keys]
     for copy, variable_slice in zip(copies, slices):
         copy.assign(variable_slice.take(variable_slice.variable))  # set_weights, weight decay, restores
     reads_norms = getattr(type(optimizer), "tfdist_whole_norms", False)
     with sharded.whole_norms_known(copies, grads) if reads_norms else contextlib.nullcontext():
-        _compat.merge_call(_update_copies, strategy, optimizer, grads, copies, learning_rate)
+        _compat.merge_call(_update_copies, strategy, grads, copies, update_one)
     gathered = strategy.extended.allgather_slices(copies)
     _compat.merge_call(_assign_whole, strategy, variables, [s.whole(g) for s, g in zip(slices, gathered)])
 
 
-def _update_copies(distribution, optimizer, grads, copies, learning_rate):
-    def apply(copy, grad, rate):
-        return optimizer.update_step(grad, copy, rate)
-
+def _update_copies(distribution, grads, copies, update_one):
     for grad, copy in zip(grads, copies):
-        distribution.extended.update(copy, apply, args=(grad, learning_rate), group=False)
+        distribution.extended.update(copy, lambda c, g: update_one(g, c), args=(grad,), group=False)
 
 
 def _assign_whole(distribution, variables, values):
@@ -199,18 +220,18 @@ def _assign_whole(distribution, variables, values):
         distribution.extended.update(variable, lambda v, x: v.assign(x), args=(value,), group=False)
 
 
-def _wrap_save(original):
+def wrap_save(original):
     def save_own_variables(self, store):
         variables = self.variables
         if not any(sharded_saves.slice_of(v) is not None for v in variables):
             return original(self, store)
         for i, variable in enumerate(variables):
-            whole = sharded_saves.whole_value(variable)
+            whole = sharded_saves.whole_value(variable, required=True)
             store[str(i)] = variable.numpy() if whole is None else whole
     return save_own_variables
 
 
-def _wrap_load(original):
+def wrap_load(original):
     def load_own_variables(self, store):
         variables = self.variables
         if len(store.keys()) != len(variables) or all(sharded_saves.slice_of(v) is None for v in variables):
@@ -223,8 +244,7 @@ def _wrap_load(original):
 
 def _wrap_serialize(original):
     def _serialize_to_tensors(self):
-        # A restore asks for the tensors too (their dtypes); only a save needs the whole value.
-        whole = sharded_saves.whole_value(self, required=chief_saves.in_save())
+        whole = sharded_saves.whole_value(self)  # (None while TensorFlow restores: it asks for the tensors too)
         return original(self) if whole is None else {"VARIABLE_VALUE": tf.constant(whole)}
     return _serialize_to_tensors
 

@@ -36,11 +36,13 @@ _depth = [0]
 
 
 @contextlib.contextmanager
-def gathered_for_save(*roots):
+def gathered_for_save(*roots, gather=True):
     """Inside, the whole value of every sharded slot of the optimizers `roots` reach (models,
     optimizers, `tf.train.Checkpoint`s, `CheckpointManager`s) is known: an allgather per slot,
-    on every rank, in the same order (what the roots reach is the same on every rank)."""
-    states = [] if _depth[0] else _states_in(roots)
+    on every rank, in the same order (what the roots reach is the same on every rank). With
+    `gather=False` (a save the chief makes alone) nothing is gathered, and a sharded slot's
+    whole value is asked for in vain (`whole_value` raises)."""
+    states = [] if _depth[0] or not gather else _states_in(roots)
     _depth[0] += 1
     try:
         slots = [pair for state in states for pair in state.slot_slices.values()]
@@ -55,6 +57,17 @@ def gathered_for_save(*roots):
         _depth[0] -= 1
         if not _depth[0]:
             _cache.clear()
+
+
+def refuse_hdf5(roots):
+    """Raise `ShardedStateError` when a legacy HDF5 model file would hold sharded optimizer state
+    (Keras writes its slots there as they are in memory: this rank's slices)."""
+    if any(state.slot_slices for state in _states_in(roots)):
+        raise ShardedStateError(
+            "tfdist: an HDF5 model file (.h5) holds the optimizer's variables as each rank keeps them, and "
+            "with HorovodStrategy(shard_optimizer_state=True) those are slices. Save the model as .keras "
+            "(or its weights as .weights.h5 or a TensorFlow checkpoint), which hold the whole state, or "
+            "pass include_optimizer=False.")
 
 
 def _states_in(roots):
@@ -99,16 +112,17 @@ def slice_of(variable):
     return None
 
 
-def whole_value(variable, required=True):
+def whole_value(variable, required=None):
     """The whole value of a sharded slot (numpy) for a save, or None when `variable` is whole.
 
-    Raises `ShardedStateError` when the slot is sharded and no `gathered_for_save()` is open
-    (unless not `required`: then None, e.g. while TensorFlow restores, which asks for the tensors too).
+    Raises `ShardedStateError` when the slot is sharded and a save is in progress
+    (`gathered_for_save`) that did not gather it; outside a save (TensorFlow restoring asks for
+    the tensors too) returns None. `required`: True or False instead of "in a save".
     """
     if slice_of(variable) is None:
         return None
     cached = _cache.get(id(variable))
-    if (cached is None or cached[0] is not variable) and not required:
+    if (cached is None or cached[0] is not variable) and not (_depth[0] > 0 if required is None else required):
         return None
     if cached is None or cached[0] is not variable:
         raise ShardedStateError(
@@ -134,6 +148,27 @@ def slice_for_load(variable, value):
     return variable_slice.take(value.astype(variable_slice.dtype.as_numpy_dtype)).numpy()
 
 
+def saveable_factories(variable):
+    """TensorFlow checkpoint saveables for a sharded slot that is a `tf.Variable` (tf-keras): the
+    whole value saved, this rank's slice restored. None for any other variable."""
+    variable_slice = slice_of(variable)
+    if variable_slice is None:
+        return None
+    from tfdist import _compat
+
+    class WholeValueSaveable(_compat.saveable_object.SaveableObject):
+        def __init__(self, name):
+            whole = whole_value(variable)
+            tensor = tf.convert_to_tensor(variable if whole is None else whole)
+            super().__init__(tensor, [_compat.saveable_object.SaveSpec(tensor, "", name)], name)
+
+        def restore(self, restored_tensors, restored_shapes):
+            return _compat.distributed_values_util.get_on_write_restore_ops(
+                variable, variable_slice.take(restored_tensors[0]))
+
+    return {"VARIABLE_VALUE": WholeValueSaveable}
+
+
 class WholeSlot:
     """A sharded slot seen whole (for `callbacks.Checkpointer`): its whole shape and dtype, its whole
     value inside `gathered_for_save()`, and `assign(whole)` that keeps this rank's slice."""
@@ -145,7 +180,7 @@ class WholeSlot:
         self.path = self.name = getattr(slot, "path", None) or slot.name
 
     def __array__(self, dtype=None, copy=None):
-        value = whole_value(self.slot)
+        value = whole_value(self.slot, required=True)
         return value if dtype is None else value.astype(dtype)
 
     def assign(self, value):
