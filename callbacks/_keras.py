@@ -1,5 +1,5 @@
-"""The Keras flavour callbacks build on (see tfdist.keras_flavour)."""
+"""The Keras flavour callbacks build on (see tfdist.keras.flavour)."""
 
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 
 Callback = keras_module().callbacks.Callback

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tfdist import durable
+from tfdist.faults import durable
 from tfdist.errors import TfdistError
 
 log = logging.getLogger("tfdist")

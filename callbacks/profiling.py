@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tfdist import collectives
 from tfdist.callbacks._keras import Callback
-from tfdist.keras_flavour import legacy_requested
+from tfdist.keras.flavour import legacy_requested
 
 log = logging.getLogger("tfdist")
 

@@ -247,7 +247,7 @@ def read_dataset(source: str | os.PathLike[str] | Manifest, batch_size: int, *,
     ds = ds.with_options(options)
     if input_context is not None:
         ds.tfdist_per_rank = True  # split already: tfdist.HorovodStrategy leaves it as it is
-    ds.manifest_identity = manifest_identity(manifest)  # compared across ranks by tfdist.consistency
+    ds.manifest_identity = manifest_identity(manifest)  # compared across ranks by tfdist.faults.consistency
     return ds, plan
 
 

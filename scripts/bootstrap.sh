@@ -20,7 +20,7 @@
 # built with NCCL too, docs/GPU.md) where `nvidia-smi -L` lists a GPU or TFDIST_GPU=1; otherwise,
 # or with TFDIST_GPU=0, the CPU one (tensorflow-cpu). CI has no GPU: it gets the CPU stack.
 #
-# Horovod is built and installed by tfdist/install_horovod.py (`tfdist-install-horovod`, the
+# Horovod is built and installed by tfdist/horovod_build/install.py (`tfdist-install-horovod`, the
 # command pip users run), which caches the wheel in $TFDIST_CACHE (default ~/.cache/tfdist).
 set -euo pipefail
 
@@ -112,8 +112,8 @@ done
 want() {
   local mpi=gloo-only
   command -v mpicxx >/dev/null && mpi=mpi
-  local sources=("$ROOT/setup.cfg" "$0" "$ROOT/tfdist/install_horovod.py" "$ROOT/tfdist/horovod_toolchain.py"
-                 "$ROOT"/tfdist/horovod_patches/*.patch)
+  local sources=("$ROOT/setup.cfg" "$0" "$ROOT/tfdist/horovod_build/install.py" "$ROOT/tfdist/horovod_build/toolchain.py"
+                 "$ROOT"/tfdist/horovod_build/patches/*.patch)
   echo "tf=$TF_VERSION-$STACK hvd=$HOROVOD_VERSION $mpi $(cat "${sources[@]}" | sha1sum | cut -c1-12)"
 }
 asked_before=$( [ -f "$STAMP" ] && sed -n 2p "$STAMP" || true)
@@ -188,7 +188,7 @@ else TF_REQ="tensorflow-cpu==$TF_VERSION"; TF_OTHER=tensorflow; HVD_GPU=no; fi
 if "$PY" -m pip show -q "$TF_OTHER" >/dev/null 2>&1; then pip_quiet uninstall -y -q "$TF_OTHER"; fi
 log "installing $TF_REQ, tf-keras, test tools"
 pip_quiet install -q "$TF_REQ" "tf-keras==$TF_VERSION" tensorboard \
-  numpy pytest scikit-learn matplotlib cloudpickle psutil pyyaml "tensorboard-plugin-profile==2.24.2"
+  numpy pytest scikit-learn matplotlib cloudpickle psutil py-spy pyyaml "tensorboard-plugin-profile==2.24.2"
 pip_quiet install -q --no-deps -e "$ROOT"
 # The docs site's tools, as pinned in setup.cfg's `docs` extra (tests/test_docs_site.py builds it).
 mapfile -t DOCS_REQ < <("$PY" -c 'import configparser, sys; c = configparser.ConfigParser(); c.read(sys.argv[1])
@@ -198,7 +198,7 @@ pip_quiet install -q "${DOCS_REQ[@]}"
 
 # Horovod: the cached wheel, else built once (the same code as `tfdist-install-horovod`).
 # (--gpu: NCCL with the GPU stack, never with the CPU one, even where CUDA wheels are left over.)
-"$PY" -m tfdist.install_horovod --gpu "$HVD_GPU"
+"$PY" -m tfdist.horovod_build.install --gpu "$HVD_GPU"
 asked_now=$(printf '%s\n' $asked_before "${!ASKED[@]}" | sort -u | tr '\n' ' ')
 printf '%s\n%s\n' "$(want)" "${asked_now% }" > "$STAMP"
 log "ready: $VENV"

@@ -115,7 +115,7 @@ def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):
 def test_resnet50_v15_has_the_reference_parameter_count():
     from tfdist.benchmark.models import build_model
 
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     model = build_model(keras_module(), "resnet50_v1.5", 224, 1000)
     # 25,557,032 trainable: the published ResNet50 v1.5 count (torchvision's resnet50 too; no conv
@@ -154,7 +154,7 @@ def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
     assert expect in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.skipif(bool(__import__("tfdist.gpu").gpu.visible_ids()), reason="a GPU is visible here")
+@pytest.mark.skipif(bool(__import__("tfdist.tuning.gpu").gpu.visible_ids()), reason="a GPU is visible here")
 @pytest.mark.parametrize("mode", ["tfdist", "horovod"])
 def test_device_gpu_without_a_gpu_fails_naming_what_it_found(mode):
     out = subprocess.run([str(BIN / "tfdist-benchmark"), *TINY, "--device", "gpu",

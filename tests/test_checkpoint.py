@@ -20,7 +20,7 @@ from tfdist.callbacks.checkpoint import (
     training_variables,
 )
 from conftest import ROOT, JobFailed, flavor_env, run_job
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 
 keras = keras_module()
 WORKER = ROOT / "tests" / "multirank" / "checkpoint_checks.py"

@@ -3,15 +3,26 @@
 One launch per rank count of tests/multirank/clipping_checks.py (`clipnorm`, `global_clipnorm`,
 `clipvalue`, with a LossScaleOptimizer and with Keras' gradient accumulation), compared with the
 same fits in one plain process. Before, each rank clipped its own part of the gradient: after 2
-epochs the weights differed from one process by 0.17 on 2 ranks and 0.25 on 4.
+epochs the weights differed from one process by 0.17 on 2 ranks and 0.25 on 4. The same launches
+check Horovod's bfloat16 allreduce on Gloo against numpy (the suite's 4-rank Gloo launch).
 """
 
 import numpy as np
 import pytest
 
+import bf16_reference
 from conftest import ROOT, flavor_env, run_job
 
 WORKER = ROOT / "tests" / "multirank" / "clipping_checks.py"
+_jobs = {}
+
+
+def ranks_job(ranks, tmp_path_factory):
+    """The `ranks`-rank launch, once."""
+    if ranks not in _jobs:
+        _jobs[ranks] = run_job([WORKER], tmp_path_factory.mktemp(f"clip-{ranks}"), np=ranks,
+                               env=flavor_env("keras3"), timeout=600)
+    return _jobs[ranks]
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +32,10 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_clipped_training_on_ranks_equals_one_process(reference, tmp_path, ranks):
-    results = run_job([WORKER], tmp_path, np=ranks, env=flavor_env("keras3"), timeout=600)
+def test_clipped_training_on_ranks_equals_one_process(reference, tmp_path_factory, ranks):
+    results = ranks_job(ranks, tmp_path_factory)
     worst = {}
-    for case in results[0]:
+    for case in (key for key in results[0] if key != "bf16_exchange"):
         expected = reference[case]
         # the clip changes the training (else equality below would prove nothing)
         assert _largest_difference(expected, reference[f"{case} unclipped"]) > 1e-2, case
@@ -34,6 +45,16 @@ def test_clipped_training_on_ranks_equals_one_process(reference, tmp_path, ranks
         worst[case] = _largest_difference(results[0][case], expected)
     print(f"\n{ranks} ranks, largest difference from one process per case: "
           + ", ".join(f"{case} {value:.1e}" for case, value in worst.items()))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bf16_allreduce_on_gloo_is_numpys_float32_sum_rounded_once(tmp_path_factory, ranks):
+    results = ranks_job(ranks, tmp_path_factory)
+    exchange = {r: results[r]["bf16_exchange"] for r in range(ranks)}
+    assert exchange[0]["controller"] == "gloo"
+    bf16_reference.check_exchange(exchange)
+    if ranks == 4:  # one rounding of the float32 sum, where rounding each partial sum loses it
+        assert bf16_reference.once_beats_pairwise(exchange) == (1.0 + 2.0 ** -7, 1.0)
 
 
 def _largest_difference(a, b):

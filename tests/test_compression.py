@@ -1,12 +1,14 @@
-"""Gradient compression (tfdist.exchange.compression) on 2 real ranks, against numpy references.
+"""Gradient compression (tfdist.exchange.compression, compression="bf16") on 2 real ranks, against numpy.
 
 One horovodrun launch per Keras flavour (tests/multirank/compression_checks.py) runs every check;
-the compressors' steps are recomputed here in numpy from both ranks' inputs and initial state.
+the compressors' steps are recomputed here in numpy from both ranks' inputs and initial state, and
+every bfloat16 allreduce from both ranks' bfloat16 inputs (tests/bf16_reference.py).
 """
 
 import numpy as np
 import pytest
 
+import bf16_reference
 from conftest import ROOT, flavor_env, run_job
 
 pytestmark = pytest.mark.multirank
@@ -175,3 +177,41 @@ def test_clipping_applies_to_the_exchanged_gradient(keras_flavor, compression, t
     assert unclipped["global_norm"] > 3 * 0.01 and unclipped["largest"] > 3 * 0.002  # both clips engage
     assert got["global_clipnorm"]["global_norm"] == pytest.approx(0.01, rel=1e-4)
     assert got["clipvalue"]["largest"] == pytest.approx(0.002, rel=1e-4)
+
+
+def test_bf16_allreduce_is_numpys_float32_sum_rounded_once(keras_flavor, tmp_path_factory):
+    """Gloo, 2 ranks: sum, average, min, max (fused and alone), Compression.bf16, allgather, broadcast."""
+    ranks = ranks_of(keras_flavor, tmp_path_factory)
+    exchange = {r: ranks[r]["bf16/exchange"] for r in (0, 1)}
+    assert exchange[0]["controller"] == "gloo"
+    bf16_reference.check_exchange(exchange)
+
+
+def test_bf16_gradients_travel_as_bfloat16_and_other_sums_stay_exact(keras_flavor, tmp_path_factory):
+    ranks = ranks_of(keras_flavor, tmp_path_factory)
+    dtypes = ranks[0]["bf16/allreduce_dtypes"]
+    assert dtypes and set(dtypes) == {"bfloat16"}, dtypes  # the traced step's gradient allreduce
+    # strategy.reduce is not the optimizer's gradient sum: no cast, so no overflow (float16's
+    # 65504) and no rounding (2 + 2**-9 needs 10 significant bits; bfloat16 has 8)
+    for name in ("bf16", "fp16"):
+        assert ranks[0][f"{name}/strategy_reduce"] == [140000.0, 2.0 + 2.0 ** -9], name
+
+
+def test_bf16_fit_keeps_ranks_identical(keras_flavor, tmp_path_factory):
+    ranks = ranks_of(keras_flavor, tmp_path_factory)
+    r0, r1 = ranks[0]["fit/bf16/ready"], ranks[1]["fit/bf16/ready"]
+    assert r0["final"] == r1["final"]
+    uncompressed = ranks[0]["fit/none/ready"]["final"]
+    distance = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(r0["final"], uncompressed))
+    assert 0 < distance < 0.05, distance  # bfloat16 was on the wire, and it trains as float32 does
+
+
+def test_bf16_digits_accuracy_within_half_a_point_of_uncompressed(tmp_path_factory):
+    ranks = ranks_of("keras3", tmp_path_factory)  # trained in the Keras 3 launch only
+    none, bf16 = ranks[0]["digits/none"], ranks[0]["digits/bf16"]
+    assert ranks[1]["digits/bf16"]["final"] == bf16["final"]  # ranks identical
+    assert ranks[1]["digits/bf16"]["accuracy"] == bf16["accuracy"]
+    assert none["accuracy"] >= 0.9
+    assert abs(bf16["accuracy"] - none["accuracy"]) <= 0.005, (none["accuracy"], bf16["accuracy"])
+    assert bf16["final"] != none["final"]
+    print(f"\ndigits test accuracy, 2 ranks: none {none['accuracy']:.4f}, bf16 {bf16['accuracy']:.4f}")

@@ -538,6 +538,31 @@ def test_tensorboard_logs_are_written_by_the_chief_only(job, tmp_path_factory):
 
 
 @pytest.mark.parametrize("job", JOBS)
+def test_csv_logger_writes_one_process_log(job, tmp_path_factory):
+    # CSVLogger(append=True) in the shared folder: one header and one line per epoch, as one process
+    # writes. MWMS lets every worker append (so 2 workers write every line twice): not its oracle.
+    if job.startswith("mwms"):
+        pytest.skip("MWMS appends on every worker: each line twice (tf-keras' CSVLogger knows no strategy)")
+    parts = scenario(job, "callbacks", tmp_path_factory)
+    ref = single("callbacks", tmp_path_factory)["csv"]
+    assert ref and len(ref) == 1 + 3 and ref[0].startswith("epoch"), ref
+    for w, p in enumerate(parts):
+        assert p["csv"] is not None and len(p["csv"]) == len(ref), f"worker {w}: {p['csv']}"
+        for got, want in zip(_csv_rows(p["csv"]), _csv_rows(ref)):
+            assert got.keys() == want.keys(), f"worker {w}: {p['csv'][0]} != {ref[0]}"
+            assert [v == "NA" for v in got.values()] == [want[k] == "NA" for k in got], f"worker {w}: {got} != {want}"
+            np.testing.assert_allclose([float(v) for v in got.values() if v != "NA"],
+                                       [float(want[k]) for k, v in got.items() if v != "NA"], rtol=1e-5, equal_nan=True)
+
+
+def _csv_rows(lines):
+    """A CSVLogger file's rows as {column: text}; tf-keras' `lr` is Keras 3's `learning_rate` (the
+    one-process oracle runs Keras 3). "NA" marks a key that epoch's logs lack, as in one process."""
+    names = [{"lr": "learning_rate", "val_lr": "val_learning_rate"}.get(n, n) for n in lines[0].split(",")]
+    return [dict(zip(names, line.split(","))) for line in lines[1:]]
+
+
+@pytest.mark.parametrize("job", JOBS)
 def test_backup_and_restore_is_written_by_the_chief_only(job, tmp_path_factory):
     parts = scenario(job, "callbacks", tmp_path_factory)
     per_epoch = parts[0]["backup_listing_per_epoch"]

@@ -212,7 +212,7 @@ def test_stalled_rank_is_named_after_the_timeout(unsupervised):
     assert "stopped responding: no heartbeat for" in text
     # The watchdog's timeout, well before Gloo's own 30 s. Silence is counted from rank 1's last
     # heartbeat, which can precede the SIGSTOP by up to one heartbeat period (measured: 4.15 s).
-    from tfdist.watchdog import HEARTBEAT_SECONDS
+    from tfdist.faults.watchdog import HEARTBEAT_SECONDS
 
     assert 5 - HEARTBEAT_SECONDS - 0.25 < seconds < 15
 
@@ -275,7 +275,7 @@ def _assert_nonfinite(ranks, bad_step=5):
 
 def test_nonfinite_loss_on_one_process():
     from tfdist.callbacks import StopOnNonFiniteLoss
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     keras = keras_module()
     x = np.ones((40, 3), "float32")
@@ -293,8 +293,8 @@ def test_nonfinite_loss_on_one_process():
 
 def test_error_summary_keeps_the_type_and_the_last_meaningful_line():
     """What the other ranks print about a rank's error, on a real Keras error and on long text."""
-    from tfdist.keras_flavour import keras_module
-    from tfdist.watchdog_support import LINE_CHARS, describe_exception
+    from tfdist.keras.flavour import keras_module
+    from tfdist.faults.watchdog_support import LINE_CHARS, describe_exception
 
     keras = keras_module()
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
@@ -335,7 +335,7 @@ def test_failed_job_ends_naming_the_rank_that_raised(tmp_path):
 
 
 def test_unit_job_summary_names_the_first_failure_not_the_survivor():
-    from tfdist import watchdog
+    from tfdist.faults import watchdog
     from tfdist.launch.job_summary import STOPPED_CODE, describe, last_words
 
     assert STOPPED_CODE == watchdog.EXIT_CODE

@@ -12,7 +12,7 @@ import zipfile
 
 import pytest
 
-from tfdist import horovod_toolchain as toolchain
+from tfdist.horovod_build import toolchain
 
 PY = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 WHEEL_GLOB = os.path.join(toolchain.default_cache(), "wheels", f"horovod-{toolchain.HOROVOD_VERSION}-tf2.21.*-{PY}*-nccl",

@@ -1,4 +1,4 @@
-"""The hang detector (tfdist.hang, tfdist.hang_detector, tfdist.keras.step_marks).
+"""The hang detector (tfdist.faults.hang, tfdist.faults.hang_detector, tfdist.keras.step_marks).
 
 Two real 2-rank jobs (`tests/multirank/hang_checks.py` under `horovodrun -np 2 --gloo`): ranks
 that wait in different collectives are named and the job ends by itself; a rank whose step is
@@ -148,7 +148,8 @@ class FakeDog:
 def judge(monkeypatch):
     """judge(states, now, warn=5, timeout=12) -> (stderr lines, detector); states: rank -> (what,
     seconds in it, last, last_step, longest); rank 0's comes from a patched hang.snapshot()."""
-    from tfdist import hang, hang_detector
+    from tfdist.faults import hang
+    from tfdist.faults import hang_detector
 
     reports = {}
     monkeypatch.setattr(hang_detector, "_reports", reports)
@@ -234,7 +235,7 @@ def test_rule_groups_many_ranks(judge, capsys):
 
 
 def test_settings_from_the_environment(monkeypatch):
-    from tfdist import hang_detector
+    from tfdist.faults import hang_detector
 
     monkeypatch.delenv("TFDIST_HANG_WARN_SECONDS", raising=False)
     monkeypatch.delenv("TFDIST_HANG_TIMEOUT", raising=False)
@@ -251,7 +252,7 @@ def test_settings_from_the_environment(monkeypatch):
 # --- the marks ----------------------------------------------------------------------------------------
 
 def test_marks_nest_and_survive_a_late_end_from_another_thread():
-    from tfdist import hang
+    from tfdist.faults import hang
 
     step = hang.enter("train step 1", step=True)
     inner = hang.enter(hang.collective("allreduce", "x", "tfdist_allreduce"))
@@ -275,9 +276,10 @@ def test_eager_collectives_and_keras_steps_are_marked():
     """collectives.named marks eager work (not graph building); step_marks marks each batch of a fit."""
     import tensorflow as tf
 
-    from tfdist import collectives, hang
+    from tfdist import collectives
+    from tfdist.faults import hang
     from tfdist.keras import step_marks
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     with collectives.named("tfdist_allgather", "allgather", "tfdist.objects.data"):
         assert hang.snapshot()["what"] == "allgather 'tfdist.objects.data'"

@@ -6,7 +6,7 @@ the broadcast, metric-average and warmup callbacks in fit (also with backward_pa
 load_model, a LossScaleOptimizer inside DistributedOptimizer with a float16 overflow on one
 rank, and the flows of Horovod's two TF2 examples (docs/MIGRATING.md). Checked here: what the
 ranks hold is equal where Horovod makes it so, equals a numpy replay of the same training, and is
-the same on Keras 3 as on tf-keras. Without tfdist's patches (tfdist/horovod_patches/) the Keras 3
+the same on Keras 3 as on tf-keras. Without tfdist's patches (tfdist/horovod_build/patches/) the Keras 3
 launch fails at its first check.
 """
 

@@ -1,4 +1,4 @@
-"""The patches tfdist-install-horovod applies to Horovod's sdist (tfdist/horovod_patches/, docs/INSTALL.md).
+"""The patches tfdist-install-horovod applies to Horovod's sdist (tfdist/horovod_build/patches/, docs/INSTALL.md).
 
 The applier is pure Python: hunks match exactly, shifted if need be, or the install fails naming the
 patch, the source file and the hunk, and writes nothing. Against the real sdist (cached by the build
@@ -11,10 +11,10 @@ import os
 import pytest
 
 from conftest import ROOT
-from tfdist import horovod_toolchain as toolchain
-from tfdist import install_horovod as ih
+from tfdist.horovod_build import toolchain
+from tfdist.horovod_build import install as ih
 
-PATCH_DIR = ROOT / "tfdist" / "horovod_patches"
+PATCH_DIR = ROOT / "tfdist" / "horovod_build" / "patches"
 SDIST = os.path.join(toolchain.default_cache(), "sdist", f"horovod-{toolchain.HOROVOD_VERSION}.tar.gz")
 
 PATCH = """Subject: a test patch
@@ -110,7 +110,7 @@ def test_every_shipped_patch_says_why_and_what_it_changes():
     assert [p.name for p in paths if toolchain.parse_patch(str(p))[0]["Build"] == "nccl"] == \
         ["0002-gpu-as-gpu-stream-value.patch"]
     setup = (ROOT / "setup.cfg").read_text()
-    assert "horovod_patches/*.patch" in setup  # shipped with the package (package_data)
+    assert "tfdist.horovod_build = patches/*.patch" in setup  # shipped with the package (package_data)
 
 
 @pytest.fixture(scope="module")

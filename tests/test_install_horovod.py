@@ -5,16 +5,17 @@ is tests/test_packaging.py::test_fresh_environment_installs_horovod_and_trains.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT
-from tfdist import horovod_toolchain as toolchain
-from tfdist import install_horovod as ih
+from tfdist.horovod_build import toolchain
+from tfdist.horovod_build import install as ih
 
-MODULE = ROOT / "tfdist" / "install_horovod.py"
+MODULE = ROOT / "tfdist" / "horovod_build" / "install.py"
 BOOTSTRAP = ROOT / "scripts" / "bootstrap.sh"
 PY = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 
@@ -172,3 +173,49 @@ def test_bootstrap_installs_system_packages_only_when_asked():
     out = bootstrap("--dry-run", TFDIST_SYSTEM_PACKAGES="mpi,gpus")
     assert out.returncode == 2 and "unknown system package group 'gpus'" in out.stderr
     assert "--for-tests" in (ROOT / "scripts" / "run_tests.sh").read_text()
+
+
+def test_the_declared_range_is_setup_cfgs_and_the_install_notes_versions_outside_it():
+    import configparser
+
+    from tfdist.horovod_build import versions
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    extras = config["options.extras_require"]
+    oldest, after = versions.TF_OLDEST, (versions.TF_NEWEST[0], versions.TF_NEWEST[1] + 1)
+    bounds = f">={oldest[0]}.{oldest[1]},<{after[0]}.{after[1]}"
+    for extra, name in (("cpu", "tensorflow-cpu"), ("gpu", "tensorflow[and-cuda]"), ("legacy", "tf-keras")):
+        assert extras[extra].strip() == f"{name}{bounds}", (extra, extras[extra])
+    assert f'TF_VERSION={versions.PINNED_TF}' in BOOTSTRAP.read_text()  # the checkout's one pinned default
+    assert versions.tf_in_range(versions.PINNED_TF) and versions.tf_in_range("2.16.2") and versions.tf_in_range("2.18.1")
+    assert not versions.tf_in_range("2.15.1") and not versions.tf_in_range("2.22.0") and not versions.tf_in_range("x")
+    # HorovodStrategy() refuses Keras 2 and Keras 3 before 3.5 before Horovod starts (seen: docs/INSTALL.md)
+    assert versions.keras_refusal("2.16.2", "3.15.1") is None and versions.keras_refusal("2.16.2", "3.5.0") is None
+    refusal = versions.keras_refusal("2.15.1", "2.15.0")
+    assert "TensorFlow 2.15.1 with keras 2.15.0" in refusal and "TensorFlow 2.16 to 2.21" in refusal, refusal
+    refusal = versions.keras_refusal("2.16.2", "3.3.3")
+    assert "TensorFlow 2.16.2 with keras 3.3.3" in refusal and "pip install 'keras>=3.5'" in refusal, refusal
+    assert "    keras>=3.5\n" in (ROOT / "setup.cfg").read_text()  # pip never pairs tfdist with an older one
+    assert not [note for note in plan(tf=("tensorflow-cpu", "2.16.2")).notes if "range" in note]
+    (note,) = [note for note in plan(tf=("tensorflow-cpu", "2.15.1")).notes if "range" in note]
+    assert note.startswith("TensorFlow 2.15.1 is outside tfdist's tested range, TensorFlow 2.16 to 2.21"), note
+
+
+def test_wheelhouse_install_takes_its_wheel_and_never_builds(tmp_path):
+    """`--wheelhouse DIR`: the wheel in DIR/wheels/<cache folder>/, the MPI or Gloo-only build that is
+    there; without one, an error naming the folder and what the wheelhouse holds."""
+    out = run_module(["--wheelhouse", str(tmp_path), "--dry-run"])
+    assert "EXIT 1 TRIED []" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert f"--wheelhouse: no Horovod wheel for this environment in {tmp_path}/wheels/horovod-0.28.1-tf" in out.stderr
+    assert "the wheelhouse holds none" in out.stderr
+    # a wheelhouse with the other MPI variant than this machine's detection: --mpi auto takes it
+    other = plan(cache_root=str(tmp_path), mpicxx="" if shutil.which("mpicxx") else "/usr/bin/mpicxx")
+    os.makedirs(other.wheel_dir)
+    open(os.path.join(other.wheel_dir, f"horovod-0.28.1-{PY}-{PY}-linux_x86_64.whl"), "w").close()
+    out = run_module(["--wheelhouse", str(tmp_path), "--dry-run"])
+    assert "EXIT 0 TRIED []" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert f"would reuse the cached wheel {other.wheel_dir}/horovod-0.28.1-" in out.stdout
+    assert f"the wheelhouse holds the {'MPI' if other.mpi else 'Gloo-only'} build: using it" in out.stdout
+    out = run_module(["--wheelhouse", str(tmp_path), "--rebuild"])
+    assert "EXIT 2" in out.stdout and "--rebuild and --wheelhouse contradict each other" in out.stderr

@@ -25,7 +25,7 @@ import keras
 {setup}
 import tfdist
 from tfdist import _compat
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 try:
     tfdist.HorovodStrategy(tuning=False, watchdog=False, check_consistency=False{args})
 except tfdist.TfdistError as e:
@@ -41,6 +41,7 @@ hooks = {{
     "keras3.BackupAndRestore._save_model": keras.callbacks.BackupAndRestore._save_model,
     "keras3.BackupAndRestore.on_train_end": keras.callbacks.BackupAndRestore.on_train_end,
     "keras3.TensorBoard.set_model": keras.callbacks.TensorBoard.set_model,
+    "keras3.CSVLogger.on_train_begin": keras.callbacks.CSVLogger.on_train_begin,
     "keras3.LossScaleOptimizer.check_finite": keras.mixed_precision.LossScaleOptimizer.check_finite,
     "keras3.LossScaleOptimizer._tf_apply": keras.mixed_precision.LossScaleOptimizer._tf_apply,
     "keras3.TFOptimizer._all_reduce_sum_gradients": _compat.keras3_tf_optimizer_class("test")._all_reduce_sum_gradients,
@@ -62,6 +63,7 @@ if _compat.tf_keras_in_use():
         "tf_keras.test_step": tf_keras.Model.test_step,
         "tf_keras.predict_step": tf_keras.Model.predict_step,
         "tf_keras.BackupAndRestore.on_train_begin": tf_keras.callbacks.BackupAndRestore.on_train_begin,
+        "tf_keras.CSVLogger.on_train_begin": tf_keras.callbacks.CSVLogger.on_train_begin,
         "tf_keras.fit": tf_keras.Model.fit, "tf_keras.evaluate": tf_keras.Model.evaluate,
         "tf_keras.predict": tf_keras.Model.predict,
         "tf_keras.fit, under the progress hook": getattr(tf_keras.Model.fit, "tfdist_original", None),
@@ -86,10 +88,11 @@ KERAS3_HOOKS = {
     "keras3.test_step": METRICS,
     "keras3.predict_step": PREDICT,
     "keras3._maybe_symbolic_build": MODEL_BUILD,
-    "keras3.ModelCheckpoint._save_model": None,  # its saves go through chief_saves' Model.save rules
+    "keras3.ModelCheckpoint._save_model": CALLBACKS,  # its folder made race-free; saves follow chief_saves
     "keras3.BackupAndRestore._save_model": PREEMPTION,  # over the chief-only write
     "keras3.BackupAndRestore.on_train_end": CALLBACKS,
     "keras3.TensorBoard.set_model": CALLBACKS,
+    "keras3.CSVLogger.on_train_begin": CALLBACKS,
     "keras3.LossScaleOptimizer.check_finite": PRECISION,
     "keras3.LossScaleOptimizer._tf_apply": PRECISION,
     "keras3.TFOptimizer._all_reduce_sum_gradients": GRADIENT_SUM,
@@ -117,6 +120,7 @@ TF_KERAS_HOOKS = {
     "tf_keras.test_step": METRICS,
     "tf_keras.predict_step": PREDICT,
     "tf_keras.BackupAndRestore.on_train_begin": CALLBACKS,
+    "tf_keras.CSVLogger.on_train_begin": CALLBACKS,
     "tf_keras.fit": QUIET, "tf_keras.evaluate": QUIET, "tf_keras.predict": QUIET,
     "tf_keras.fit, under the progress hook": FIT_CALLBACKS,
     "tf_keras.BackupAndRestore._backup": PREEMPTION,
@@ -214,7 +218,7 @@ WRAPPED = '''
 import functools, json, logging, types
 import numpy as np
 from tfdist import _compat
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 keras = keras_module()
 cls = _compat.model_classes("test")[-1][0]  # the class whose fit tfdist wraps, for this flavour
 tracker = types.ModuleType("tracker")

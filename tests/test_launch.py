@@ -425,6 +425,11 @@ TF_CPP_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ |\d{4}-\d\d-\d\d \
                          r"|WARNING: All log messages before absl::InitializeLog|To enable the following instructions)")
 
 
+# The start-up lines that escape TF_CPP_MIN_LOG_LEVEL (tfdist.launch.stderr_filter.START_UP).
+START_UP_LINE = re.compile(r"^(?:WARNING: All log messages before absl::InitializeLog"
+                           r"|[IW]\d{4} .*(?:Could not find cuda drivers|oneDNN custom operations are on))")
+
+
 def rank_lines(text, rank, stream):
     """The lines rank `rank` wrote to `stream`, horovodrun's tag removed (also where lines were interleaved)."""
     tag = f"[{rank}]<{stream}>:"
@@ -433,13 +438,43 @@ def rank_lines(text, rank, stream):
 
 VERBOSITY = ROOT / "tests" / "multirank" / "verbosity_checks.py"
 
+RANK_STDERR = b"""WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
+I0000 00:00:1795820765.781009   21363 port.cc:153] oneDNN custom operations are on. You may see ...
+I0000 00:00:1795820765.793886   21363 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will not be used.
+I0000 00:00:1795820766.095701   21363 cpu_feature_guard.cc:227] This TensorFlow binary is optimized to use ...
+To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow with the appropriate compiler flags.
+E0000 00:00:1795820793.682881   21363 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error
+I0000 00:00:1795820796.864497   21363 generator_dataset_op.cc:213] Memory patch applied: M_TRIM_THRESHOLD=128 kb was set.
+W0000 00:00:1795820796.895839   21363 dataset.cc:997] Input of GeneratorDatasetOp::Dataset will not be optimized ...
+tfdist preemption: SIGTERM on rank 0 (host vm): every rank stopped together; ...
+"""
+
+
+def test_unit_stderr_filter_drops_tensorflows_start_up_lines():
+    """Every rank's filter (rank 0's too) drops the start-up lines; TF_CPP_MIN_LOG_LEVEL adds the
+    lines below it; TFDIST_TF_STARTUP_LINES=1 (start_up=False) with no level: no filter at all."""
+    from tfdist.launch import stderr_filter as sf
+
+    def kept(level, start_up=True):
+        out, rest = sf.split(RANK_STDERR, sf.patterns(level, start_up))
+        return [(line.split(b"] ")[0].split()[-1] if b"] " in line else line[:18]).decode()
+                for line in out.splitlines()]
+
+    assert kept(None) == kept("0") == ["cuda_platform.cc:52", "generator_dataset_op.cc:213", "dataset.cc:997",
+                                       "tfdist preemption:"], kept(None)
+    assert kept("2") == ["cuda_platform.cc:52", "tfdist preemption:"]
+    assert kept("3") == ["tfdist preemption:"]
+    assert sf.patterns(None, start_up=False) == () and sf.patterns("1", start_up=False) == sf.noise("1")
+    assert set(sf.IGNORED) >= {"SIGTERM", "SIGUSR1"}  # Slurm signals every process: the filter outlives the rank
+
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("flavor", ["keras3", "tf_keras"])
 def test_only_the_chief_prints_progress_and_start_up_lines(tmp_path, flavor):
-    """At Keras' default verbosity one progress bar (rank 0's); no TensorFlow C++ start-up line and
-    no Keras warning from rank 1. `verbose=1` passed on every rank (Keras 3) and
-    TFDIST_QUIET_RANKS=0 (tf-keras) bring rank 1's output back."""
+    """At Keras' default verbosity one progress bar (rank 0's); no TensorFlow C++ line and no Keras
+    warning from rank 1, and none of TensorFlow's start-up lines from rank 0. `verbose=1` passed on
+    every rank (Keras 3) and TFDIST_QUIET_RANKS=0 (tf-keras) bring rank 1's output back, and
+    TFDIST_TF_STARTUP_LINES=1 rank 0's start-up lines."""
     env = {"TF_CPP_MIN_LOG_LEVEL": None, "TF_USE_LEGACY_KERAS": "1" if flavor == "tf_keras" else "0"}
     code, out, err = tfdist_run("-np", 2, "python", VERBOSITY, "--out", tmp_path / "default", env=env)
     assert code == 0, _tail(out + err)
@@ -452,6 +487,7 @@ def test_only_the_chief_prints_progress_and_start_up_lines(tmp_path, flavor):
     print(f"\n{flavor}: {len(text.splitlines())} lines; TensorFlow C++ start-up lines: rank 0 {len(rank0_tf)}, "
           f"rank 1 {len(rank1_tf)}")
     assert rank1_tf == [], rank1_tf
+    assert not [line for line in rank_lines(text, 0, "stderr") if START_UP_LINE.match(line)], rank0_tf
     assert not [line for line in rank_lines(text, 1, "stderr") if "will be ignored" in line]
     if flavor == "keras3":  # Keras 3 warns that shuffle=True is ignored for a tf.data dataset: once
         assert sum("will be ignored" in line for line in rank_lines(text, 0, "stderr")) == 1, _tail(err)
@@ -460,12 +496,18 @@ def test_only_the_chief_prints_progress_and_start_up_lines(tmp_path, flavor):
 
     extra = (["--verbose", 1], {}) if flavor == "keras3" else ([], {"TFDIST_QUIET_RANKS": "0"})
     code, out, err = tfdist_run("-np", 2, "python", VERBOSITY, "--out", tmp_path / "loud", *extra[0],
-                                env={**env, **extra[1]})
+                                env={**env, **extra[1], "TFDIST_TF_STARTUP_LINES": "1"})
     assert code == 0, _tail(out + err)
     text = out + err
     assert text.count("Epoch 1/2") == 2 and rank_lines(text, 1, "stdout"), _tail(out)  # one bar per rank
     rank1_tf = [line for line in rank_lines(text, 1, "stderr") if TF_CPP_LINE.match(line)]
-    assert bool(rank1_tf) == bool(extra[1] and rank0_tf), rank1_tf  # TFDIST_QUIET_RANKS=0: as rank 0
+    asked = [line for line in rank_lines(text, 0, "stderr") if START_UP_LINE.match(line)]
+    assert bool(rank1_tf) == bool(extra[1]), rank1_tf  # TFDIST_QUIET_RANKS=0: as rank 0
+    # TFDIST_TF_STARTUP_LINES=1: rank 0 prints them as TensorFlow does (its two libraries each once;
+    # with a GPU driver, TensorFlow has no CUDA-driver line to print)
+    if not os.path.exists("/proc/driver/nvidia/version"):
+        assert sum("absl::InitializeLog" in line for line in asked) == 2, asked
+        assert sum("Could not find cuda drivers" in line for line in asked) == 2, asked
 
 
 # ---------------------------------------------------------------- sbatch templates

@@ -1,4 +1,4 @@
-"""Real Open MPI jobs: `mpirun -np 2`, `tfdist-run --launcher mpirun`, a killed rank, Adasum.
+"""Real Open MPI jobs: `mpirun -np 2`, `tfdist-run --launcher mpirun`, a killed rank, Adasum, bfloat16.
 
 Few launches, many checks: one 2-rank job per Keras flavour (Keras 3 through
 `tfdist-run --launcher mpirun`, tf-keras under the bare mpirun command it builds) runs
@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+import bf16_reference
 from conftest import (BIN, EXIT_LIMIT_S, ROOT, WATCHDOG_WORKER, flavor_env, kill_group, make_job_env, run_job,
                       signal_rank)
 
@@ -100,6 +101,13 @@ def test_mpirun_two_ranks_equal_one_process_with_global_metrics(mpi, keras_flavo
     for key in ref["history"]:
         np.testing.assert_allclose(two["history"][key], ref["history"][key], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(two["evaluate"], ref["evaluate"], rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_allreduce_on_mpi_is_numpys_float32_sum_rounded_once(mpi, keras_flavor, tmp_path_factory):
+    ranks, _ = mpi_results(keras_flavor, tmp_path_factory)
+    exchange = {r: ranks[r]["bf16_exchange"] for r in (0, 1)}
+    assert exchange[0]["controller"] == "mpi"
+    bf16_reference.check_exchange(exchange)
 
 
 def test_adasum_exchange_is_the_adasum_of_the_local_gradients(mpi, keras_flavor, tmp_path_factory):

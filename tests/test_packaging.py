@@ -46,8 +46,8 @@ def test_wheel_holds_only_the_tfdist_namespace(installed):
     for module in ("tfdist/pipelines/reader.py", "tfdist/callbacks/checkpoint.py", "tfdist/benchmark/train_benchmark.py", "tfdist/launch/runner.py"):
         assert module in names
     # tfdist-install-horovod applies these to Horovod's sdist: an installed tfdist must carry them all
-    patches = sorted(p.name for p in (ROOT / "tfdist" / "horovod_patches").glob("*.patch"))
-    assert patches and sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("tfdist/horovod_patches/")) == patches
+    patches = sorted(p.name for p in (ROOT / "tfdist" / "horovod_build" / "patches").glob("*.patch"))
+    assert patches and sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("tfdist/horovod_build/patches/")) == patches
 
 
 def test_installed_package_imports_as_one_namespace(installed):
@@ -118,12 +118,13 @@ def test_every_console_script_helps_without_tensorflow(installed):
                                                                             out.stderr[-2000:])
 
 
-def link_distributions(name, dest):
-    """Link the installed distribution `name` and all it requires, recursively, into `dest`.
+def link_distributions(names, dest):
+    """Link the installed distributions `names` and all they require, recursively, into `dest`.
 
-    Packages are symlinks; each .dist-info folder is a copy without its RECORD, so a pip in the
-    new environment can see these distributions but never uninstall one (through the links, that
-    would delete the project environment's files): it stops with an error instead.
+    `names` may carry extras ("fsspec[gcs]"): their requirements are followed too. Packages are
+    symlinks; each .dist-info folder is a copy without its RECORD, so a pip in the new environment
+    can see these distributions but never uninstall one (through the links, that would delete the
+    project environment's files): it stops with an error instead.
     """
     from importlib import metadata
 
@@ -131,18 +132,19 @@ def link_distributions(name, dest):
     from packaging.utils import canonicalize_name
 
     dest.mkdir()
-    todo, seen = [name], set()
+    todo, seen = [Requirement(name) for name in names], set()
     while todo:
-        name = canonicalize_name(todo.pop())
-        if name in seen:
+        wanted = todo.pop()
+        name = canonicalize_name(wanted.name)
+        if (name, frozenset(wanted.extras)) in seen:
             continue
-        seen.add(name)
+        seen.add((name, frozenset(wanted.extras)))
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue  # an optional requirement, not installed
-        todo += [r.name for r in map(Requirement, dist.requires or [])
-                 if r.marker is None or r.marker.evaluate({"extra": ""})]
+        todo += [r for r in map(Requirement, dist.requires or [])
+                 if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in ("", *wanted.extras))]
         site = Path(dist.locate_file(""))
         for top in {f.parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
             if not (site / top).exists() or (dest / top).exists():
@@ -151,7 +153,20 @@ def link_distributions(name, dest):
                 shutil.copytree(site / top, dest / top, ignore=shutil.ignore_patterns("RECORD"))
             else:
                 (dest / top).symlink_to(site / top)
-    return seen
+    return {name for name, _ in seen}
+
+
+def declared_requirements(wheel, extra):
+    """The requirements the wheel's metadata declares for `pip install 'tfdist[EXTRA]'`."""
+    from email.parser import Parser
+
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        fields = Parser().parsestr(z.read(name).decode())
+    requirements = map(Requirement, fields.get_all("Requires-Dist") or [])
+    return [str(r).split(";")[0] for r in requirements if r.marker is None or r.marker.evaluate({"extra": extra})]
 
 
 TRAIN = """
@@ -169,38 +184,57 @@ with strategy.scope():
                               keras.layers.Dense(2, activation="softmax")])
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
-logs = model.fit(x, y, batch_size=64, epochs=5, verbose=0).history
+# Keras' own TensorBoard callback, profiling steps 2 to 4: needs tensorboard (TF 2.21 dropped it)
+tensorboard = keras.callbacks.TensorBoard(log_dir="tb", profile_batch=(2, 4))
+logs = model.fit(x, y, batch_size=64, epochs=5, verbose=0, callbacks=[tensorboard]).history
 import horovod
 print(f"RESULT rank={strategy.rank} size={strategy.size} loss={logs['loss'][-1]:.4f} "
       f"accuracy={logs['accuracy'][-1]:.3f} horovod={horovod.__file__} tfdist={tfdist.__file__}", flush=True)
+if strategy.rank == 0:  # what TensorBoard will show: the scalars, and the profile through the installed plugin
+    import glob
+    from importlib.metadata import entry_points
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from xprof.convert import raw_to_tool_data
+
+    events = EventAccumulator("tb/train")
+    events.Reload()
+    traces = glob.glob("tb/train/plugins/profile/*/*.xplane.pb")
+    loaders = [e.load() for e in entry_points(group="tensorboard_plugins") if e.name == "profile"]
+    plugins = [f"{loader.__module__}.{loader.__name__}" for loader in loaders]
+    tools = raw_to_tool_data.xspace_to_tool_names(traces) if traces else []
+    print(f"PROFILE scalars={','.join(sorted(events.Tags()['tensors']))} traces={len(traces)} "
+          f"plugins={','.join(plugins)} tools={','.join(sorted(tools))}", flush=True)
 """
 
 
 @pytest.mark.fresh_env
 @pytest.mark.multirank
 def test_fresh_environment_installs_horovod_and_trains(installed, tmp_path_factory):
-    """A pip user's path: the tfdist wheel into a new venv, `tfdist-install-horovod`, a 2-rank `tfdist-run`.
+    """A pip user's path: `pip install 'tfdist[cpu]'` into a new venv, `tfdist-install-horovod`, a
+    2-rank `tfdist-run` whose Keras TensorBoard callback writes scalars and a profile.
 
-    The venv is created outside the checkout. TensorFlow is not pip-installed into it:
-    tensorflow-cpu is about 600 MB, whose install alone would take this test's whole budget on
-    2 cores. Instead a .pth file adds a folder linking exactly tensorflow-cpu and what it requires
-    (its dependency closure, read from the installed metadata) from the project's environment:
-    not tfdist, Horovod, pytest or anything else there. pip installs the rest into the venv: the
-    tfdist wheel (--no-deps; numpy comes with TensorFlow), then `tfdist-install-horovod` installs
-    Horovod and its runtime dependencies from the wheel scripts/bootstrap.sh cached
+    The venv is created outside the checkout. TensorFlow is not downloaded into it: tensorflow-cpu
+    is about 600 MB, whose install alone would take this test's whole budget on 2 cores. Instead a
+    .pth file adds a folder linking, from the project's environment, exactly what the built
+    wheel's metadata declares for `tfdist[cpu]` and what that requires (its dependency closure):
+    TensorFlow, tensorboard, the profile plugin; not tfdist, Horovod, pytest or anything else
+    there. Then `pip install --no-index '<wheel>[cpu]'` must find every declared requirement
+    installed (a requirement the linked closure lacks fails it), and `tfdist-install-horovod`
+    installs Horovod and its runtime dependencies from the wheel scripts/bootstrap.sh cached
     (`--cache-only`: the test fails, rather than spending ten minutes, if it would build).
-    About a minute and a half on 2 cores.
+    Rank 0 reads the TensorBoard files back: the epoch scalars, and the profile of steps 2 to 4
+    through the profile plugin installed with tfdist. About a minute and a half on 2 cores.
     """
     from importlib import metadata
 
-    from tfdist import install_horovod
+    from tfdist.horovod_build import install as install_horovod
 
     wheel, _ = installed
     try:
         metadata.version("tensorflow-cpu")
-        tf_dist = "tensorflow-cpu"
+        tf_dist, extra = "tensorflow-cpu", "cpu"
     except metadata.PackageNotFoundError:
-        tf_dist = "tensorflow"
+        tf_dist, extra = "tensorflow", "gpu"
     # On the GPU stack the venv gets TensorFlow without its CUDA wheels: Horovod's CPU wheel.
     gpu = "no" if install_horovod.make_plan().gpu_stack else "auto"
     plan = install_horovod.make_plan(gpu=gpu)
@@ -220,10 +254,11 @@ def test_fresh_environment_installs_horovod_and_trains(installed, tmp_path_facto
                               timeout=timeout)
 
     site = run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip()
-    linked = link_distributions(tf_dist, base / "tensorflow-only")
-    assert {tf_dist, "keras", "numpy"} <= linked and not {"tfdist", "horovod"} & linked
-    (Path(site) / "tensorflow_only.pth").write_text(f"{base / 'tensorflow-only'}\n")
-    out = run(python, "-m", "pip", "install", "-q", "--no-deps", wheel)
+    declared = declared_requirements(wheel, extra)
+    linked = link_distributions(declared, base / "declared")
+    assert {tf_dist, "keras", "numpy", "tensorboard", "xprof"} <= linked and not {"tfdist", "horovod"} & linked
+    (Path(site) / "declared.pth").write_text(f"{base / 'declared'}\n")
+    out = run(python, "-m", "pip", "install", "-q", "--no-index", f"{wheel}[{extra}]")
     assert out.returncode == 0, out.stderr[-3000:]
 
     began = time.monotonic()
@@ -244,3 +279,8 @@ def test_fresh_environment_installs_horovod_and_trains(installed, tmp_path_facto
         fields = dict(item.split("=", 1) for item in line.split())
         assert float(fields["accuracy"]) > 0.8 and float(fields["loss"]) < 0.5, line
         assert fields["horovod"].startswith(str(venv)) and fields["tfdist"].startswith(str(venv)), line
+    profile = dict(item.split("=", 1) for item in re.search(r"PROFILE (.*)", out.stdout).group(1).split())
+    assert {"epoch_loss", "epoch_accuracy"} <= set(profile["scalars"].split(",")), profile
+    assert profile["traces"] == "1" and profile["plugins"].startswith("xprof"), profile
+    assert "trace_viewer" in profile["tools"] or "trace_viewer@" in profile["tools"], profile
+    assert len(list((base / "tb" / "train").glob("events.out.tfevents.*"))) == 1  # rank 1 wrote elsewhere

@@ -18,6 +18,20 @@ def test_auto_policy_follows_the_hardware(gpus, flags, expected):
     assert policy == expected and reason
 
 
+def test_tuning_line_names_a_faster_precision_under_float32():
+    import keras
+
+    assert precision.policy_name(gpus=[], flags={"avx2", "fma"}) == "Keras policy float32"
+    line = precision.policy_name(gpus=[], flags={"avx512f", "avx512_bf16"})
+    assert line.startswith("Keras policy float32 (mixed_bfloat16 is faster here, CPU supports avx512_bf16")
+    assert 'precision="auto"' in line
+    try:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")  # asked for: nothing more to say
+        assert precision.policy_name(gpus=[], flags={"avx512_bf16"}) == "Keras policy mixed_bfloat16"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def test_explicit_and_invalid_policies():
     import keras
 

@@ -87,6 +87,7 @@ def test_compression_wire_bytes_and_flops_by_hand():
     shapes = [[300, 200], [200], [10, 10]]  # dense kernel, bias, and a matrix too small for rank 4
     assert compression_plan.wire_bytes(shapes, "none", 2) == ((60000 + 200 + 100) * 4, 0.0)
     assert compression_plan.wire_bytes(shapes, "fp16", 2)[0] == (60000 + 200 + 100) * 2
+    assert compression_plan.wire_bytes(shapes, "bf16", 2) == ((60000 + 200 + 100) * 2, 0.0)
     # PowerSGD rank 4: (300 + 200) * 4 numbers for the kernel; the bias and 10x10 (100 < 2*20*4) sent whole
     wire, flops = compression_plan.wire_bytes(shapes, "powersgd:4", 2)
     assert wire == (500 * 4 + 200 + 100) * 4 and flops == 6 * 300 * 200 * 4

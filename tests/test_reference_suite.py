@@ -60,3 +60,30 @@ def test_runner_names_a_hang_and_a_crash_and_goes_on(tmp_path):
     assert outcome["test_3_rank_1_dies"]["outcome"] == "crashed"
     assert outcome["test_3_rank_1_dies"]["message"].startswith("rank 1 exited in it")
     assert outcome["test_4_passes_after_both"]["outcome"] == "passed"
+
+
+def _loop_sum(n):
+    import tensorflow as tf
+
+    total = tf.constant(0)
+    for i in tf.range(n):  # AutoGraph makes this a while loop; unconverted, a graph cannot iterate it
+        total += i
+    return total
+
+
+def test_placeholders_answer_module_probes_so_autograph_still_converts(monkeypatch):
+    """The jax/torch stand-ins refuse real use but answer probes such as `__file__` as a missing
+    attribute: AutoGraph's source lookup reads every module's `__file__`, and an ImportError there
+    made it run tf-keras' training loops unconverted (a for-loop over a distributed dataset inside
+    a tf.function then traced forever)."""
+    import inspect
+
+    import tensorflow as tf
+    import reference_rank_plugin as plugin
+
+    monkeypatch.setitem(sys.modules, "jax_placeholder_probe", plugin._placeholder("jax"))
+    with pytest.raises(ImportError, match=r"jax is not installed.*jax\.numpy"):
+        sys.modules["jax_placeholder_probe"].numpy
+    assert getattr(sys.modules["jax_placeholder_probe"], "__file__", None) is None
+    assert inspect.getmodule(_loop_sum.__code__) is sys.modules[__name__]
+    assert int(tf.function(_loop_sum)(tf.constant(4))) == 6

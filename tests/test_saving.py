@@ -99,7 +99,7 @@ import tensorflow as tf
 import tfdist
 from tfdist import _compat
 from tfdist.keras import chief_saves
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 keras = keras_module()
 tfdist.HorovodStrategy(tuning=False, watchdog=False, check_consistency=False)
 where = sys.argv[1]

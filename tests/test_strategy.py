@@ -178,7 +178,7 @@ def test_bad_strategy_options_are_refused_with_reasons(strategy):
 def test_first_dataset_check_describes_elements_of_unknown_shape(tmp_path):
     # tf.io.parse_tensor leaves the element shape of unknown rank; the check listed its
     # dimensions and raised "Cannot iterate over a shape with unknown rank" (issue 35).
-    from tfdist.consistency import dataset_items
+    from tfdist.faults.consistency import dataset_items
 
     path = str(tmp_path / "t.tfrecord")
     with tf.io.TFRecordWriter(path) as writer:

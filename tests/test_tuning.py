@@ -88,7 +88,7 @@ def test_each_local_rank_sees_only_its_gpu_with_memory_growth():
 
 
 def test_visible_gpu_ids_without_tensorflow():
-    from tfdist import gpu
+    from tfdist.tuning import gpu
 
     assert gpu.visible_ids({"CUDA_VISIBLE_DEVICES": "2,3"}) == ("2", "3")
     assert gpu.visible_ids({"CUDA_VISIBLE_DEVICES": ""}) == ()
@@ -99,7 +99,7 @@ def test_visible_gpu_ids_without_tensorflow():
 
 
 def test_gpu_phrase_reports_tensorflows_view():
-    from tfdist import gpu
+    from tfdist.tuning import gpu
 
     effect = {"gpus": [{"name": "/physical_device:GPU:0", "device_name": "NVIDIA H100 80GB HBM3",
                         "compute_capability": [9, 0], "memory_growth": True}],

@@ -41,9 +41,9 @@ if "tensorflow" not in _sys.modules:
 # Submodules reachable as attributes (`tfdist.precision`, `tfdist.pipelines`, ...), imported on
 # first use: most import TensorFlow (seconds), which `tfdist-run` and the error classes must not wait for.
 _SUBMODULES = frozenset({
-    "benchmark", "callbacks", "cluster_resolver", "collectives", "consistency", "exchange", "gpu",
-    "input_contract", "keras", "keras_flavour", "launch", "optimizers", "pipelines", "precision", "preemption",
-    "rank_variables", "strategy", "strategy_options", "tuning", "units", "watchdog",
+    "benchmark", "callbacks", "cluster_resolver", "collectives", "exchange", "faults", "horovod_build",
+    "input_contract", "keras", "launch", "optimizers", "pipelines", "precision", "rank_variables", "strategy",
+    "strategy_options", "tuning", "units",
 })
 
 

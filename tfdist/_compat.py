@@ -10,13 +10,12 @@ Other tfdist modules reach these internals only through the names below:
   `distribute_utils`, `one_device_strategy`, `input_util` (`HorovodStrategy` is built from them),
   `distributed_values`, `distributed_values_util`, `saveable_object` (`tfdist.rank_variables`'
   one-component variables), `global_batch_size`; `in_xla_context`, `tf_function_class`,
-  `tf_function_jit_compile`, `tf_function_settings` (`tfdist.xla` retraces), `global_seed`,
-  `compute_batch_size`, `onednn_enabled`, `rank_local_variable`, `merge_call`; tf.data's
-  `dataset_inputs`, `dataset_graph_def`; the saving functions `tfdist.keras.chief_saves` wraps
-  (`tf_saved_model_modules`, `tf_checkpoint_classes`) and a `CheckpointManager`'s settings
-  (`checkpoint_manager_settings`, `set_manager_latest_checkpoint`). (`HorovodExtended` overrides
-  `StrategyExtended`'s private methods, as every `tf.distribute.Strategy` must; `tfdist.optimizers.lars`
-  subclasses optimizers through each Keras' subclassing API: `_var_key`, ...)
+  `tf_function_jit_compile`, `tf_function_settings` (`tfdist.exchange.xla` retraces), `global_seed`,
+  `compute_batch_size`, `onednn_enabled`, `rank_local_variable`, `merge_call`; tf.data's private
+  `dataset_inputs`, `dataset_graph_def`; the saves `tfdist.keras.chief_saves` wraps and a
+  `CheckpointManager`'s private settings. (`HorovodExtended` overrides `StrategyExtended`'s private
+  methods, as every `tf.distribute.Strategy` must; `tfdist.optimizers.lars` subclasses through each
+  Keras' API: `_var_key`, ...)
 - Keras: the classes tfdist patches (found through public names where one exists), the private
   methods it patches (`KERAS3_SAVE_MODEL`, `TF_KERAS_SUPPORTED_STRATEGIES`), `patch_method` (raises
   `KerasHookError` naming the Keras version and the hook), `has_hook`, and private optimizer state
@@ -30,7 +29,7 @@ import os
 import sys
 
 from tfdist.errors import KerasHookError
-from tfdist.keras_flavour import legacy_requested
+from tfdist.keras.flavour import legacy_requested
 
 CHECKED_AGAINST = "TensorFlow 2.21.0, Keras 3.15.1, tf-keras 2.21.0, Horovod 0.28.1"
 
@@ -72,7 +71,7 @@ def in_xla_context(graph):
 
 
 def tf_function_class():
-    """The class `tf.function` returns (`Function`), whose `__call__` `tfdist.xla` wraps."""
+    """The class `tf.function` returns (`Function`), whose `__call__` `tfdist.exchange.xla` wraps."""
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
 
     return polymorphic_function.Function
@@ -125,6 +124,7 @@ def dataset_graph_def(dataset):
 # --- Keras: the classes tfdist patches ----------------------------------------------------------
 
 KERAS3_SAVE_MODEL = "_save_model"  # ModelCheckpoint / BackupAndRestore method that writes files
+KERAS3_CHECKPOINT_PATH = "_get_file_path"  # ModelCheckpoint: (epoch, batch, logs) -> the path it saves to
 TF_KERAS_BACKUP = "_backup"  # tf-keras BackupAndRestore method that writes its checkpoint (epoch, batch)
 TF_KERAS_SUPPORTED_STRATEGIES = "_supported_strategies"  # tf-keras BackupAndRestore attribute
 
@@ -241,9 +241,9 @@ def keras3_loss_scale_optimizer(hook):
 
 
 def keras3_callback_classes(hook):
-    """Keras 3's (ModelCheckpoint, BackupAndRestore, TensorBoard)."""
+    """Keras 3's (ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger)."""
     callbacks = _import("keras", hook, "keras3").callbacks
-    names = ("ModelCheckpoint", "BackupAndRestore", "TensorBoard")
+    names = ("ModelCheckpoint", "BackupAndRestore", "TensorBoard", "CSVLogger")
     missing = [n for n in names if not hasattr(callbacks, n)]
     if missing:
         raise hook_error(hook, f"keras.callbacks has no {', '.join(missing)}")

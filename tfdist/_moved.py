@@ -1,4 +1,4 @@
-"""Old module paths of tfdist 0.1's flat layout, still importable, with a DeprecationWarning.
+"""Old module paths of tfdist's flat layout, still importable for one release, with a DeprecationWarning.
 
 `import tfdist.keras_predict` gives `tfdist.keras.predictions` (the same module object), so code
 written against the old paths, and objects pickled there, keep working. docs/ARCHITECTURE.md lists
@@ -36,6 +36,20 @@ MOVED = {
     "tfdist.benchmark.run": "tfdist.benchmark.train_benchmark",
     "tfdist.callbacks.lars": "tfdist.optimizers.lars",
     "tfdist.callbacks.accumulation": "tfdist.optimizers.accumulation",
+    "tfdist.watchdog": "tfdist.faults.watchdog",
+    "tfdist.watchdog_support": "tfdist.faults.watchdog_support",
+    "tfdist.hang": "tfdist.faults.hang",
+    "tfdist.hang_detector": "tfdist.faults.hang_detector",
+    "tfdist.preemption": "tfdist.faults.preemption",
+    "tfdist.consistency": "tfdist.faults.consistency",
+    "tfdist.durable": "tfdist.faults.durable",
+    "tfdist.install_horovod": "tfdist.horovod_build.install",
+    "tfdist.horovod_toolchain": "tfdist.horovod_build.toolchain",
+    "tfdist.versions": "tfdist.horovod_build.versions",
+    "tfdist.gpu": "tfdist.tuning.gpu",
+    "tfdist.xla": "tfdist.exchange.xla",
+    "tfdist.argtypes": "tfdist.benchmark.argtypes",
+    "tfdist.keras_flavour": "tfdist.keras.flavour",
 }
 
 

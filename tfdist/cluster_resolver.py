@@ -21,7 +21,7 @@ TensorFlow sees (one GPU per rank on GPU nodes, `{}` on CPU nodes).
 import tensorflow as tf
 
 from tfdist import collectives
-from tfdist.watchdog_support import host_name
+from tfdist.faults.watchdog_support import host_name
 
 
 class HorovodClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):

@@ -14,10 +14,10 @@ config = collectives.broadcast_object({"lr": 0.1} if collectives.rank() == 0 els
 ```
 
 In the TensorFlow profiler's trace each collective is named (`named()`): its ops sit under
-`tfdist_allreduce/`, `tfdist_adasum/`, `tfdist_broadcast/`, `tfdist_allgather/`,
-`tfdist_reducescatter/` or the scope its caller gives (`tfdist_metric_sync`, ...). `start_timeline()`
-/ `stop_timeline()` record Horovod's timeline for chosen steps (callbacks.ProfileSteps). Run
-eagerly, each collective is also marked for the hang detector (`tfdist.hang`).
+`tfdist_allreduce/`, `tfdist_adasum/`, `tfdist_broadcast/`, `tfdist_allgather/`, `tfdist_reducescatter/` or the scope its
+caller gives (`tfdist_metric_sync`, `tfdist_loss_scale_agreement`). `start_timeline()` /
+`stop_timeline()` record Horovod's own timeline for chosen steps (callbacks.ProfileSteps). Run
+eagerly, each collective is also marked for the hang detector (`tfdist.faults.hang`).
 """
 
 import contextlib
@@ -28,7 +28,9 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _compat, hang, xla
+from tfdist import _compat
+from tfdist.faults import hang
+from tfdist.exchange import xla
 from tfdist.errors import HorovodNotAvailableError
 
 INSTALL_HINT = (
@@ -157,7 +159,7 @@ def named(scope, kind=None, name=None):
 
     In a graph (`tf.function`, `model.fit`) it is a `tf.name_scope`, so the ops are
     `.../scope/HorovodAllreduce...`; run eagerly, where ops have no scope, it is a profiler range
-    of that name around them (free when the profiler is off), and a `tfdist.hang` mark (`kind`
+    of that name around them (free when the profiler is off), and a `tfdist.faults.hang` mark (`kind`
     and `name`: the collective, e.g. "allreduce", "tfdist.metrics", as the hang detector names it).
     Every Horovod op tfdist builds is inside one, so a graph trace checks here, once for all,
     that XLA is not asked to compile it (`check_not_in_xla`).
@@ -227,18 +229,6 @@ def _allreduce(tensors, op, name, compression):
         for i, r in zip(indices, reduced):
             out[i] = r // hvd.size() if group_op != op else r
     return out
-
-
-def compression(value):
-    """A Horovod Compression from None, "none", "fp16" or a Compression object."""
-    hvd = horovod()
-    if value is None or value == "none":
-        return None
-    if value == "fp16":
-        return hvd.Compression.fp16
-    if isinstance(value, str):
-        raise ValueError(f"compression={value!r}: expected None, 'none' or 'fp16'")
-    return value
 
 
 def adasum_refusal(size=None):
@@ -376,7 +366,7 @@ def xla_ops_available():
 
     tfdist's Horovod build (`tfdist-install-horovod`) leaves out `xla_mpi_ops.cc` (it does not
     compile against TF 2.21), so `jit_compile=True` functions are compiled around the collectives
-    (`tfdist.xla`).
+    (`tfdist.exchange.xla`).
     """
     hvd_dir = os.path.dirname(horovod().__file__)
     for lib in glob.glob(os.path.join(hvd_dir, "tensorflow", "mpi_lib*.so")):

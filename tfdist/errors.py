@@ -58,7 +58,7 @@ class LaunchError(TfdistError):
 
 
 class PreemptionError(TfdistError):
-    """A graceful stop could not be agreed on across ranks (`tfdist.preemption`).
+    """A graceful stop could not be agreed on across ranks (`tfdist.faults.preemption`).
 
     A rank did not acknowledge the stop step, or learned of it too late; or
     `TFDIST_PREEMPTION_SIGNALS` names something that is not a signal.

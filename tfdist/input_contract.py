@@ -12,7 +12,8 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _compat, collectives, consistency
+from tfdist import _compat, collectives
+from tfdist.faults import consistency
 
 log = logging.getLogger("tfdist")
 

@@ -20,7 +20,7 @@ import logging
 import tensorflow as tf
 
 from tfdist import _compat, collectives
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 
 log = logging.getLogger("tfdist")
 
@@ -69,9 +69,19 @@ def set_policy(policy="auto"):
     return policy
 
 
-def policy_name():
-    """The global Keras dtype policy in effect, for the tuning line: "Keras policy mixed_float16"."""
-    return f"Keras policy {keras_module().mixed_precision.global_policy().name}"
+def policy_name(gpus=None, flags=None):
+    """The global Keras dtype policy in effect, for the tuning line: "Keras policy mixed_float16".
+
+    Under float32 on hardware with a faster precision (a CPU with AMX or AVX512-BF16, an NVIDIA
+    GPU with tensor cores) it names that precision and how to ask for it."""
+    name = keras_module().mixed_precision.global_policy().name
+    if name != "float32":
+        return f"Keras policy {name}"
+    faster, reason = choose_policy(gpus, flags)
+    if faster == "float32":
+        return f"Keras policy {name}"
+    return (f"Keras policy {name} ({faster} is faster here, {reason}: "
+            f"HorovodStrategy(precision=\"auto\") or \"{faster}\")")
 
 
 def float32_softmax(logits_model, name="probabilities"):

@@ -26,10 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives, consistency, hang_detector, input_contract, xla
-from tfdist import gpu as gpu_lib
+from tfdist import _compat, collectives, input_contract
+from tfdist.faults import consistency
+from tfdist.faults import hang_detector
+from tfdist.keras import flavour as keras_flavour
+from tfdist.horovod_build import versions
+from tfdist.exchange import xla
+from tfdist.tuning import gpu as gpu_lib
 from tfdist import precision as precision_lib
-from tfdist import watchdog as watchdog_lib
+from tfdist.faults import watchdog as watchdog_lib
+from tfdist.errors import KerasHookError
+from tfdist.exchange import casts
 from tfdist.exchange import gradients as gradient_exchange
 from tfdist.keras import callback_writes as keras_callbacks
 from tfdist.keras import chief_saves, fit_callbacks, model_build, recognise
@@ -40,7 +47,7 @@ from tfdist.keras import predictions as keras_predict
 from tfdist.keras import progress as quiet_ranks
 from tfdist.keras import step_marks, step_outputs
 from tfdist.keras.recognise import multi_rank_strategy_of  # noqa: F401  (this module's name for it since 0.1)
-from tfdist.keras_flavour import legacy_requested
+from tfdist.keras.flavour import legacy_requested
 from tfdist.strategy_extended import HorovodExtended
 from tfdist.strategy_options import StrategyOptions
 from tfdist.tuning import plan as tuning_lib
@@ -54,7 +61,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
     """Data-parallel strategy over Horovod: one replica per process, on this rank's device.
 
     Args:
-        device: device for this rank's replica; default: this rank's GPU (the one `tfdist.gpu`
+        device: device for this rank's replica; default: this rank's GPU (the one `tfdist.tuning.gpu`
             left visible to it, or `GPU:<local_rank>` of the visible GPUs) or else the CPU.
             "gpu" insists on this rank's GPU: with none visible, `GPUNotFoundError` names what
             was found (driver, CUDA_VISIBLE_DEVICES, TensorFlow's build and devices); so does
@@ -66,12 +73,15 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             "per_rank" (Horovod's convention, for ported Horovod scripts): each rank's dataset is
             its own, batched per rank, and used as given. `distribute_datasets_from_function`
             and `pipelines.read_dataset(input_context=...)` datasets are per rank either way.
-        compression: gradient compression: None or "none"; "fp16" (floating gradients cast to
-            float16 before and back after; halves the bytes sent) or a
+        compression: gradient compression: None or "none"; "bf16" (floating gradients travel as
+            bfloat16 and are summed in float32, rounded once; half the bytes of float32, float32's
+            range, so no loss scaling; CPU replicas, and a Horovod built by
+            `tfdist-install-horovod` with its bfloat16 patch, else refused naming the fix); "fp16"
+            (cast to float16 before and back after; half the bytes, range up to 65504) or a
             `horovod.tensorflow.Compression`; `"powersgd:<rank>"` or `"topk:<density>"` (or a
             `tfdist.exchange.compression.PowerSGD` / `TopK`): low-rank or sparse gradients with error
-            feedback, per-rank state that `callbacks.Checkpointer` saves; they replace the
-            optimizer's gradient sum only (docs/COMMUNICATION.md).
+            feedback, per-rank state that `callbacks.Checkpointer` saves. Every compression
+            applies to the optimizer's gradient sum only (docs/COMMUNICATION.md).
         op: how gradients combine across ranks: "average" (Keras' loss scaling by
             1/num_replicas_in_sync turns the sum into the average), or "adasum" (Horovod's
             Adasum of the ranks' unscaled gradients, per tensor; needs an MPI-built Horovod,
@@ -99,11 +109,11 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         horovod: Horovod knobs set before `hvd.init()` unless already in the environment:
             `fusion_threshold_mb`, `cycle_time_ms`, `timeline` (a file path), `autotune` (bool).
         watchdog: with more than one rank, a dead or stalled rank makes every other rank exit
-            naming it (`tfdist.watchdog`): True (timeout from `TFDIST_WATCHDOG_TIMEOUT`, default
+            naming it (`tfdist.faults.watchdog`): True (timeout from `TFDIST_WATCHDOG_TIMEOUT`, default
             20 s), a number of seconds, or False.
         check_consistency: compare versions, tfdist's source, the main script and `fingerprint`
             across ranks now, and the first distributed dataset's batch size, structure and
-            manifest (`tfdist.consistency`); a difference raises `RankMismatchError`.
+            manifest (`tfdist.faults.consistency`); a difference raises `RankMismatchError`.
         fingerprint: any string that must be equal on every rank (a config hash, a git commit).
         bucket_mb: how gradients are scheduled. None (default): each gradient is an allreduce
             of its own, issued the moment backprop produces it, and Horovod fuses whatever is
@@ -111,8 +121,9 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             `DistributedGradientTape` loop). A size in MB (2**20 bytes): buckets of about that size, last layers
             first, each one grouped allreduce issued when its gradients exist. 0: each dtype's
             gradients as one grouped allreduce once the last gradient exists. Every schedule
-            overlaps the exchange with the rest of backprop except 0 (docs/PERFORMANCE.md has the
-            measurements on emulated 1 Gbit/s links).
+            overlaps the exchange with the rest of backprop except 0 (measured on emulated 1 Gbit/s
+            links: docs/benchmarks/records-2026-11-23-multihost.md and
+            records-2026-11-24-exchange-compression.md).
         fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
             kernel, as tf-keras does (`tfdist.keras.fused_batchnorm`: same results, falls back
             where it would differ); False leaves Keras' own implementation.
@@ -128,9 +139,12 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
 
     Raises:
         ValueError: an argument it cannot use, named in the message; checked before Horovod
-            starts (`tfdist.strategy_options`). Also `op="adasum"` where this launch cannot run it.
+            starts (`tfdist.strategy_options`). Also `op="adasum"` where this launch cannot run it,
+            and `compression="bf16"` where this Horovod build or a GPU replica lacks bfloat16.
         TypeError: an argument of the wrong type, named in the message.
         HorovodNotAvailableError: Horovod is not installed, or was built without TensorFlow.
+        KerasHookError: `keras` is older than 3.5 (Keras 2 with TensorFlow 2.15 and older; the
+            message names the versions and tfdist's range), or a Keras hook cannot be installed.
         GPUNotFoundError: `device` asks for a GPU and this rank sees none.
         RankMismatchError: ranks run different versions, code or `fingerprint` (`check_consistency`).
         WatchdogError: rank 0 cannot listen for the other ranks' heartbeats.
@@ -151,6 +165,10 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
                  watchdog: bool | float = True, check_consistency: bool = True, fingerprint: str | None = None,
                  fused_batchnorm: bool = True, bucket_mb: float | None = None,
                  shard_optimizer_state: bool = False) -> None:
+        if not legacy_requested():  # before anything starts: Keras 2 and 3.4 lack hooks installed below
+            refusal = versions.keras_refusal(tf.__version__, keras_flavour.keras_module().__version__)
+            if refusal:
+                raise KerasHookError(refusal)
         options = StrategyOptions.from_arguments(
             device, batch_convention=batch_convention, compression=compression, op=op,
             check_variables=check_variables, precision=precision, tuning=tuning, horovod=horovod,
@@ -186,6 +204,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[collectives.local_rank() % len(gpus)].name if gpus else "/cpu:0"
+        if casts.is_bf16(options.horovod_compression) and casts.bf16_refusal(device):
+            raise ValueError(casts.bf16_refusal(device))  # a GPU replica: NCCL has no bfloat16 here
         # Skip OneDeviceStrategy.__init__, which would build a OneDeviceExtended.
         tf.distribute.Strategy.__init__(self, HorovodExtended(self, device, options))
         keras_metrics.install()

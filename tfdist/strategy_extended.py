@@ -18,7 +18,8 @@ import logging
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives, consistency, input_contract, rank_variables
+from tfdist import _compat, collectives, input_contract, rank_variables
+from tfdist.faults import consistency
 from tfdist.cluster_resolver import HorovodClusterResolver
 from tfdist.errors import RankMismatchError
 from tfdist.exchange import gradients as gradient_exchange
@@ -227,8 +228,11 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
             return values
         gradient_sum = gradient_exchange.is_gradient_sum(reduce_op, value_destination_pairs)
         variables = gradient_exchange.gradient_variables(value_destination_pairs) if gradient_sum else None
+        # fp16/bf16 compress the optimizer's gradient sum only: strategy.reduce and other sums stay
+        # exact (a float16 sum of counts overflows at 65504).
         return gradient_exchange.exchange(
-            values, _REDUCE_OPS[reduce_op], compression=self._compression, bucket_bytes=self._bucket_bytes,
+            values, _REDUCE_OPS[reduce_op], compression=self._compression if gradient_sum else None,
+            bucket_bytes=self._bucket_bytes,
             adasum=self._adasum and gradient_sum, variables=variables,
             compressor=self._compressor if variables is not None else None)
 

@@ -108,6 +108,7 @@ class StrategyOptions:
                 and what it accepts.
             TypeError: an argument has the wrong type.
         """
+        from tfdist.exchange import casts
         from tfdist.exchange import compression as compression_lib
 
         if device is not None and not isinstance(device, str):
@@ -121,6 +122,9 @@ class StrategyOptions:
         if op == "adasum" and compressor is not None:
             raise ValueError(f"op='adasum' with compression={compressor.describe()!r}: Adasum combines whole "
                              "gradients; use one or the other")
+        if op == "adasum" and casts.is_bf16(horovod_compression):
+            raise ValueError("op='adasum' with compression='bf16': Horovod's Adasum has no bfloat16 kernel; use "
+                             "op='average' with bf16, or Adasum with compression=None or 'fp16'")
         if precision is not None and not isinstance(precision, str):
             raise TypeError(f"precision={precision!r}: expected None, 'auto' or a Keras dtype policy name")
         if precision not in (None, "auto"):

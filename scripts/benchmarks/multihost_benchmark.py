@@ -12,7 +12,7 @@ the host names). Every mode, and the 1-rank baseline, runs each rank on one core
 repeat, in alternating order. Modes: ready (HorovodStrategy's default, bucket_mb=None: each
 gradient as it exists), bucketed (HorovodStrategy(bucket_mb=--bucket_mb)), bucketed:<MB> (another
 size), one-collective (bucket_mb=0), each optionally with ~<ms> (Horovod's cycle) and +<method>
-(compression: +powersgd:4, +topk:0.001, +fp16), e.g. ready~1+powersgd:4; horovod, mwms.
+(compression: +powersgd:4, +topk:0.001, +fp16, +bf16), e.g. ready~1+powersgd:4; horovod, mwms.
 --keras keras3 runs the Keras modes on Keras 3, --loss_scale wraps their optimizer in
 LossScaleOptimizer.
 
@@ -55,7 +55,7 @@ def parse_mode(name, bucket_mb):
 
     'bucketed' -> ('tfdist', bucket_mb, None, None); 'bucketed:4' -> 4 MB buckets; 'one-collective'
     -> bucket 0; 'ready' -> each gradient as it exists (bucket 'ready'); a suffix '~2' sets
-    Horovod's cycle to 2 ms ('ready~2'), '+powersgd:4' / '+topk:0.01' / '+fp16' a compression
+    Horovod's cycle to 2 ms ('ready~2'), '+powersgd:4' / '+topk:0.01' / '+fp16' / '+bf16' a compression
     ('ready+powersgd:4'). A suffix '@1' ('horovod@1') runs that mode as a 1-rank job in host 0.
     """
     body = name.split("@")[0]

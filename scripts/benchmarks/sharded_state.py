@@ -38,7 +38,7 @@ def worker(args):
     from tfdist import collectives
     from tfdist.benchmark.models import build_model
     from tfdist.exchange import sharded
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     keras = keras_module()
     exchanges = ["sharded", "replicated"] if args.worker == "alternate" else [args.worker]

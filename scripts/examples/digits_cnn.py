@@ -18,7 +18,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist.keras_flavour import keras_module  # noqa: E402
+from tfdist.keras.flavour import keras_module  # noqa: E402
 
 keras = keras_module()
 

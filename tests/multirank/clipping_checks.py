@@ -6,7 +6,8 @@
 Every case fits the same model on the same data at the same global batch for 2 epochs; each rank
 (or the reference process) writes its final weights per case. tests/test_clipping.py compares
 them with the one-process reference; the reference also trains each optimizer unclipped (the
-clip must matter).
+clip must matter). On ranks the job also runs bf16_checks.exchange_checks() (bfloat16 allreduces
+against numpy: this is the suite's 4-rank Gloo launch), written under "bf16_exchange".
 """
 
 import os
@@ -61,6 +62,10 @@ def main():
     results = {name: train(lambda: make(clip), strategy) for name, (make, clip) in CASES.items()}
     if args.reference:  # the same optimizers unclipped: the clip must change the result
         results.update({f"{name} unclipped": train(lambda: make({}), strategy) for name, (make, _) in CASES.items()})
+    else:
+        import bf16_checks
+
+        results["bf16_exchange"] = bf16_checks.exchange_checks()
     write_results(args.out, rank, results)
 
 

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from tfdist.keras_flavour import keras_module  # noqa: F401  (re-exported for the workers)
+from tfdist.keras.flavour import keras_module  # noqa: F401  (re-exported for the workers)
 
 
 def to_jsonable(value):

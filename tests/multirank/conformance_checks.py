@@ -29,8 +29,10 @@ ranks (the suite runs 2 and 4).
 row-count checks fail).
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -406,8 +408,11 @@ def callbacks_fit(run):
             keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 if epoch < 2 else 40.0),
             keras.callbacks.ModelCheckpoint(os.path.join(ckpt_dir, "model-{epoch:02d}.keras")),
             keras.callbacks.TensorBoard(tb_dir, profile_batch=0, write_graph=False),
+            keras.callbacks.CSVLogger(os.path.join(run.files, "log.csv"), append=True),
             stopper,
         ])
+        print(f"worker {run.worker}: the checkpoint fit ran {len(history.epoch)} epochs, losses "
+              f"{history.history['loss']}", flush=True)  # (a rank that stops alone leaves the others waiting)
         results["checkpoint_tensorboard_earlystop"] = {
             "completed": True,
             "epochs_run": len(history.epoch),
@@ -415,11 +420,14 @@ def callbacks_fit(run):
             "loss": [float(v) for v in history.history["loss"]],
         }
     except Exception as e:  # noqa: BLE001
+        print(f"worker {run.worker}: the checkpoint fit raised:\n{traceback.format_exc()}", flush=True)
         results["checkpoint_tensorboard_earlystop"] = {"error": f"{type(e).__name__}: {str(e)[:300]}",
                                                        "traceback": traceback.format_exc()[-2000:]}
     run.barrier()
     results["ckpt_listing"] = listing(ckpt_dir)
     results["tb_listing"] = listing(tb_dir)
+    csv_path = os.path.join(run.files, "log.csv")
+    results["csv"] = open(csv_path).read().splitlines() if os.path.exists(csv_path) else None
     # (b) BackupAndRestore: the backup exists while training, and is removed at the end.
     model = compiled_model()
     lister = ListAfterEpoch(run, backup_dir)
@@ -558,6 +566,7 @@ MWMS_SKIPS = tuple(XLA_SCENARIOS)  # the oracle for XLA is one process, which co
 
 
 def main():
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # stacks on demand, for a job that hangs
     parser = worker_parser()
     parser.add_argument("--strategy", choices=("horovod", "mwms", "single"), required=True)
     parser.add_argument("--only", nargs="*", help="run only these scenarios (debugging)")
@@ -585,6 +594,7 @@ def main():
         if name in {"single": SINGLE_SKIPS, "mwms": MWMS_SKIPS}.get(args.strategy, ()):
             continue
         start = time.time()
+        print(f"worker {run.worker}: scenario {name}", flush=True)  # a hang's job log names the scenario
         try:
             results[name] = scenario(run)
         except Exception as e:  # noqa: BLE001 - one failing scenario must not hide the others

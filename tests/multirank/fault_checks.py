@@ -135,7 +135,7 @@ def nonfinite_checks(strategy, bad_step=5):
 
 
 def watchdog_port_checks(strategy):
-    from tfdist import watchdog
+    from tfdist.faults import watchdog
 
     taken = socket.create_server(("127.0.0.1", 0))  # held open: rank 0 cannot bind this port
     port = taken.getsockname()[1]

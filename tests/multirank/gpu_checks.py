@@ -21,7 +21,8 @@ quiet_tensorflow()
 import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist import collectives, gpu  # noqa: E402
+from tfdist import collectives  # noqa: E402
+from tfdist.tuning import gpu
 from precision_checks import Record  # noqa: E402  (loss scale and weights after every step)
 
 keras = keras_module()
@@ -63,7 +64,7 @@ def timeline_activities(path):
 def float32_training(strategy, out, reference, results, jit_compile=False):
     """fit on the global batch: weights on every rank equal one process's; NCCL carries the exchange.
 
-    With `jit_compile`, XLA compiles the step around the allreduce (tfdist.xla); the results go
+    With `jit_compile`, XLA compiles the step around the allreduce (tfdist.exchange.xla); the results go
     under "xla_weights" (one process compiles the whole step)."""
     keras.mixed_precision.set_global_policy("float32")
     x, y = data()

@@ -1,4 +1,4 @@
-"""Ranks that wait in different collectives, and a slow step that is not a hang (tfdist.hang_detector).
+"""Ranks that wait in different collectives, and a slow step that is not a hang (tfdist.faults.hang_detector).
 
     TFDIST_HANG_WARN_SECONDS=5 TFDIST_HANG_TIMEOUT=12 \
         horovodrun -np 2 --gloo python tests/multirank/hang_checks.py --out DIR --mode hang
@@ -26,7 +26,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist import collectives, hang, hang_detector  # noqa: E402
+from tfdist import collectives  # noqa: E402
+from tfdist.faults import hang
+from tfdist.faults import hang_detector
 
 keras = keras_module()
 STEPS = 10

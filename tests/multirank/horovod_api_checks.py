@@ -176,7 +176,7 @@ def main():
     args = worker_parser().parse_args()
     if not hasattr(hvd_util, "var_ref"):
         raise SystemExit(f"Horovod at {os.path.dirname(hvd_tf.__file__)} was built without tfdist's patches "
-                         "(tfdist/horovod_patches/): run `tfdist-install-horovod` (or scripts/bootstrap.sh)")
+                         "(tfdist/horovod_build/patches/): run `tfdist-install-horovod` (or scripts/bootstrap.sh)")
     hvd.init()
     rank = hvd.rank()
     folder = os.path.join(args.out, f"files-rank{rank}")

@@ -8,7 +8,8 @@
 Each rank writes DIR/rank<R>.json: how it was launched (Horovod's controller,
 OMPI_COMM_WORLD_RANK), the weights, History and evaluation of an `op="average"` fit with a
 metric, and (not with --reference) one Adasum exchange (this rank's unscaled local gradients and
-the exchanged ones), the same with global_clipnorm, and the losses of a short Adasum fit. tests/test_mpi.py compares them.
+the exchanged ones), the same with global_clipnorm, the losses of a short Adasum fit, and the
+bfloat16 allreduces of bf16_checks.py. tests/test_mpi.py compares them.
 """
 
 import os
@@ -19,6 +20,7 @@ from common import keras_module, quiet_tensorflow, worker_parser, write_results 
 
 quiet_tensorflow()
 
+import bf16_checks  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -117,6 +119,7 @@ def main():
         results["adasum_exchange"] = adasum_exchange(adasum)
         results["adasum_clipped_exchange"] = adasum_exchange(adasum, clip=ADASUM_CLIP)
         results["adasum_fit"] = adasum_fit(adasum)
+        results["bf16_exchange"] = bf16_checks.exchange_checks()
     write_results(args.out, strategy.rank, results)
 
 

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist import preemption  # noqa: E402
+from tfdist.faults import preemption  # noqa: E402
 from tfdist.callbacks import Checkpointer  # noqa: E402
 from tfdist.callbacks.checkpoint import training_variables  # noqa: E402
 
@@ -30,19 +30,20 @@ keras = keras_module()
 LEGACY = keras.__name__.startswith("tf_keras")
 EPOCHS, GLOBAL_BATCH, EXAMPLES = 3, 16, 320  # 20 steps an epoch
 # (name, checkpointing, input, signal, ranks signalled, epoch, batch after which it is sent).
-# "launcher": rank 0 writes WORK/ready there and slows down; the test signals the launcher.
+# "launcher", "job": rank 0 writes WORK/ready there and slows down; the test signals the launcher,
+# or every process of the job twice (as Slurm at a time limit).
 CASES = [
     ("backup_arrays", "backup", "arrays", signal.SIGTERM, (1,), 1, 9),
     ("checkpointer_dataset", "checkpointer", "dataset", signal.SIGUSR1, (0, 1), 1, 5),
     ("backup_every_5_launcher", "backup5", "dataset", "launcher", (0,), 1, 6),
     ("custom_loop", "loop", "dataset", signal.SIGTERM, (1,), 1, 12),
-    ("nothing_saved", "none", "arrays", signal.SIGTERM, (0,), 0, 3),
+    ("nothing_saved", "none", "arrays", "job", (0,), 0, 3),
 ]
 
 
 class Signal(keras.callbacks.Callback):
     """Sends `sig` to this process after batch `batch` of epoch `epoch` (as a scheduler would),
-    or for "launcher" writes `ready` there and then takes 0.2 s a step (the test signals)."""
+    or for "launcher" and "job" writes `ready` there and then takes 0.2 s a step (the test signals)."""
 
     def __init__(self, sig, epoch, batch, ready):
         super().__init__()
@@ -55,11 +56,11 @@ class Signal(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if (self.current, batch) == (self.epoch, self.batch):
             self.sent = time.time()
-            if self.sig == "launcher":
+            if self.sig in ("launcher", "job"):
                 open(self.ready, "w").close()
             else:
                 os.kill(os.getpid(), self.sig)
-        elif self.sent and self.sig == "launcher":
+        elif self.sent and self.sig in ("launcher", "job"):
             time.sleep(0.2)
 
 
@@ -117,7 +118,7 @@ def train(strategy, case, work, interrupt):
             custom_loop(strategy, model, folder, signaller, counter)
         elif source == "arrays":
             # Keras 3 draws the same permutation every epoch; tf-keras a new one, which a resumed
-            # process would not repeat (docs/FAULTS.md), so its arrays are not shuffled here.
+            # process would not repeat (docs/faults/PREEMPTION.md), so its arrays are not shuffled here.
             model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=not LEGACY, verbose=0,
                       callbacks=callbacks)
         else:
@@ -137,7 +138,7 @@ def train(strategy, case, work, interrupt):
 
 
 def custom_loop(strategy, model, folder, signaller, counter):
-    """A custom training loop with `tfdist.preemption.StepAgreement` and its own checkpoint file
+    """A custom training loop with `tfdist.faults.preemption.StepAgreement` and its own checkpoint file
     (as a user writes it); `counter.start`: the step it starts at."""
     optimizer, state = model.optimizer, os.path.join(folder, "loop-state.npz")
     with strategy.scope():

@@ -2,7 +2,7 @@
 
 `xla_fit` compiles a Keras model with `jit_compile=True`; `xla_custom_loop` is the custom-loop
 tutorial's step under `tf.function(jit_compile=True)`. Under HorovodStrategy on 2+ ranks tfdist
-compiles around its allreduce (`tfdist.xla`); one process compiles the whole step. Each scenario
+compiles around its allreduce (`tfdist.exchange.xla`); one process compiles the whole step. Each scenario
 also reports what XLA compiled in this process, from the HLO modules it dumps (XLA_FLAGS
 `--xla_dump_to`, set per worker by `dump_xla_modules` before the first compile), so a run that
 silently left XLA out cannot pass.

@@ -107,6 +107,8 @@ def _placeholder(name):
     module = types.ModuleType(name)
 
     def refuse(attribute):
+        if attribute.startswith("__"):  # a probe such as inspect.getmodule's (AutoGraph reads __file__)
+            raise AttributeError(attribute)
         raise ImportError(f"{name} is not installed: this reference run uses the TensorFlow backend only "
                           f"(a test reached {name}.{attribute})")
 
@@ -115,15 +117,29 @@ def _placeholder(name):
 
 
 def _stand_ins():
+    """Keras 3's test modules import jax and torch at the top; tf-keras' need neither."""
     import importlib.util
 
+    if os.environ.get("REFERENCE_SUITE") == "tf_keras":
+        return
     for name in ("jax", "torch"):
         if name not in sys.modules and importlib.util.find_spec(name) is None:
             sys.modules[name] = _placeholder(name)
 
 
+def _absl_flags_parsed():
+    """absl's flags (tf-keras' test combinations read them) parse sys.argv, which is pytest's
+    here ("Unknown command line flag 'p'"): parse the program name alone, as `absltest.main` does
+    for a test run without flags."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv[:1])
+
+
 def pytest_configure(config):
     _stand_ins()
+    _absl_flags_parsed()
     if not COLLECT_ONLY and MODE == "mwms":
         _keep_mwms_context()
     _state["rank"], _state["size"] = _rank_and_size()

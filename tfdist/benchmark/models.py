@@ -1,6 +1,6 @@
 """Models for tfdist-benchmark (tfdist.benchmark.train_benchmark), built with whichever Keras module is passed in.
 
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
     model = build_model(keras_module(), "resnet50_v1.5", image_size=224, num_classes=1000)
 
 - resnet50: `keras.applications.ResNet50` (v1: the stride-2 of each stage sits in its first 1x1 conv).

@@ -22,7 +22,7 @@ The model (alpha-beta cost of a ring allreduce, minus what the bucket schedule h
 
 It prints a table per rank count and writes a PNG plot (images/s against ranks, ideal line).
 
-Compression (`--compression none fp16 powersgd:4 topk:0.01`, one table row per method and rank
+Compression (`--compression none fp16 bf16 powersgd:4 topk:0.01`, one table row per method and rank
 count): the gradient bytes become what the method puts on the wire for the model's gradient
 shapes (`--model resnet50` or `--shapes 3072x2048 2048 ...`; `tfdist.exchange.compression_plan`), as
 allreduce-equivalent bytes (top-k's allgather grows with the rank count), and its compute
@@ -40,7 +40,7 @@ bandwidth by the one that makes the one-collective prediction at N ranks equal a
 (`effective_bandwidth`). It folds in what the nominal rate leaves out (per-collective overhead,
 protocol and copying costs, compute slowed by communication sharing its cores). On emulated
 1 Gbit/s links it brought the bucketed predictions from 12-22% low to within 15%
-(docs/PERFORMANCE.md).
+(docs/benchmarks/records-2026-11-23-multihost.md).
 """
 
 import argparse
@@ -49,7 +49,7 @@ import heapq
 import math
 import sys
 
-from tfdist import argtypes
+from tfdist.benchmark import argtypes
 from tfdist.exchange import compression_plan
 from tfdist.units import MB
 
@@ -180,7 +180,7 @@ def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, 
 def model_shapes(name):
     """The trainable variables' shapes of a tfdist-benchmark model (imports TensorFlow)."""
     from tfdist.benchmark.models import build_model
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     model = build_model(keras_module(), name, 224 if not name.startswith("mlp") else 32, 1000)
     return [list(v.shape) for v in model.trainable_variables]
@@ -226,7 +226,7 @@ def main(argv=None):
     parser.add_argument("--batch_per_rank", type=argtypes.positive_int, help="for images/s")
     parser.add_argument("--png", help="write a plot of images/s (or efficiency) against ranks here")
     parser.add_argument("--compression", type=_spec, nargs="+", default=["none"],
-                        help="methods to model: none, fp16, powersgd[:rank], topk[:density]")
+                        help="methods to model: none, fp16, bf16, powersgd[:rank], topk[:density]")
     parser.add_argument("--shapes", type=_shape, nargs="+", help="gradient shapes, e.g. 3072x2048 2048")
     parser.add_argument("--model", help="take the gradient shapes from this tfdist-benchmark model (resnet50, mlp:wide_mlp)")
     parser.add_argument("--compress_gflops", type=argtypes.positive_float, default=20.0,

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from tfdist import argtypes
+from tfdist.benchmark import argtypes
 from tfdist.tuning import startup
 from tfdist.benchmark.models import MODELS, build_model, model_name
 from tfdist.benchmark.timing import StepTimer, accuracy_summary, report
@@ -67,7 +67,7 @@ PARSER.add_argument("--onednn", choices=["default", "on", "off"], default="defau
 PARSER.add_argument("--fused_batchnorm", choices=["on", "off"], default="on",
                     help="tfdist on Keras 3: BatchNormalization on TensorFlow's fused kernel (HorovodStrategy's default)")
 PARSER.add_argument("--compression", default=None, help="tfdist: HorovodStrategy(compression=...): fp16, "
-                    "powersgd[:rank], topk[:density]")
+                    "bf16, powersgd[:rank], topk[:density]")
 PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
                     help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
@@ -224,7 +224,7 @@ def start(args):
     """Create the strategy of --variable_update; returns (keras, strategy, tuning text, size, rank)."""
     import tensorflow as tf
 
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
     from tfdist.strategy import HorovodStrategy
 
     keras = keras_module()
@@ -245,7 +245,7 @@ def start(args):
         return keras, strategy, tuning, strategy.size, strategy.rank
     _set_threads(tf, args)
     if args.device == "gpu":
-        from tfdist import gpu
+        from tfdist.tuning import gpu
 
         rank = int(os.environ.get("HOROVOD_RANK", "0"))
         gpu.require_gpu("gpu", rank, int(os.environ.get("HOROVOD_LOCAL_RANK", "0")))

@@ -2,7 +2,8 @@
 
 `gradients`: the schedule (each gradient as it is ready, buckets, one collective) and recognising
 the optimizer's gradient sum; `compression`: PowerSGD and top-k with error feedback;
-`compression_plan`: their rules in pure Python, shared with `tfdist-predict`.
+`compression_plan`: their rules in pure Python, shared with `tfdist-predict`; `casts`: fp16 and
+bf16, gradients cast to 16 bits for the allreduce.
 
 ```python
 import tfdist

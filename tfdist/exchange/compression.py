@@ -38,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _compat, collectives
-from tfdist.exchange import compression_plan
+from tfdist.exchange import casts, compression_plan
 
 
 class Compressor:
@@ -303,11 +303,15 @@ def parse(value: str | Compressor | Any | None) -> tuple[Any, Compressor | None]
     """(Horovod compression or None, Compressor or None) from `HorovodStrategy(compression=...)`.
 
     Args:
-        value: None, "none", "fp16", "powersgd", "powersgd:<rank>", "topk", "topk:<density>", a
-            `Compressor` or a `horovod.tensorflow.Compression`.
+        value: None, "none", "fp16", "bf16", "powersgd", "powersgd:<rank>", "topk",
+            "topk:<density>", a `Compressor` or a `horovod.tensorflow.Compression`.
 
     Returns:
         The Horovod compression (None with a `Compressor`), and the `Compressor` (or None).
+
+    Raises:
+        ValueError: an unknown setting, or "bf16" where this Horovod build lacks bfloat16
+            (`tfdist.exchange.casts.bf16_refusal`).
     """
     if isinstance(value, Compressor):
         return None, value
@@ -317,4 +321,4 @@ def parse(value: str | Compressor | Any | None) -> tuple[Any, Compressor | None]
             return None, PowerSGD(rank=param)
         if kind == "topk":
             return None, TopK(density=param)
-    return collectives.compression(value), None
+    return casts.horovod_compression(value), None

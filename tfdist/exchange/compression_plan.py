@@ -15,12 +15,12 @@ DEFAULTS = {"powersgd": 4, "topk": 0.01}
 
 
 def parse(spec):
-    """"powersgd[:rank]" / "topk[:density]" / "fp16" / "none" -> (kind, parameter or None).
+    """"powersgd[:rank]" / "topk[:density]" / "fp16" / "bf16" / "none" -> (kind, parameter or None).
 
     Raises ValueError naming the spec for anything else.
     """
     kind, _, arg = str(spec).partition(":")
-    if kind in ("none", "fp16") and not arg:
+    if kind in ("none", "fp16", "bf16") and not arg:
         return kind, None
     try:
         if kind == "powersgd":
@@ -33,7 +33,7 @@ def parse(spec):
                 return kind, value
     except ValueError:
         pass
-    raise ValueError(f"compression={spec!r}: expected 'none', 'fp16', 'powersgd[:rank]' (rank >= 1) or "
+    raise ValueError(f"compression={spec!r}: expected 'none', 'fp16', 'bf16', 'powersgd[:rank]' (rank >= 1) or "
                      "'topk[:density]' (0 < density < 0.5: values and indices both travel)")
 
 
@@ -75,7 +75,7 @@ def wire_bytes(shapes, spec, ranks, dtype_bytes=4):
     for shape in shapes:
         entries = math.prod(shape) if shape else 1
         dense = entries * dtype_bytes
-        if kind == "fp16":
+        if kind in ("fp16", "bf16"):
             total += dense / 2
             continue
         if kind == "powersgd" and (plan := powersgd_plan(shape, param)):

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tfdist import _compat, collectives
 from tfdist.keras import recognise
-from tfdist.keras_flavour import legacy_requested
+from tfdist.keras.flavour import legacy_requested
 
 GRADIENT_HOOK = "gradient-sum marker"
 CLIP_HOOK = "clipping after the gradient sum"

@@ -7,13 +7,17 @@ non-chief workers to throw-away directories (through `strategy.extended.should_c
 every rank would write the same files at the same time. Installed by `HorovodStrategy()`, this
 gives Keras 3, on ranks other than 0:
 
-- `TensorBoard` writes under a private temporary directory of the rank;
+- `TensorBoard` and `CSVLogger` write under a private temporary directory of the rank (every
+  rank sees the same global logs; N ranks appending to one CSV wrote each line N times);
 - `BackupAndRestore` restores from the shared backup on every rank (so all ranks resume alike)
   but only the chief writes or deletes it;
 - `ModelCheckpoint` saves through `Model.save` / `save_weights`, which `tfdist.keras.chief_saves`
   handles as every save: the chief's path is written by the chief alone (another rank writes its
   copy under its temporary directory), a path of the rank's own (a per-process temporary
   directory, as Keras' own tests write) is written as asked and can be loaded right after.
+  Its folder is made before Keras looks for it: Keras makes it when `exists()` says it is
+  missing, and with every rank looking at once one of them lost that race (`FileExistsError`)
+  and left the fit alone while the others waited for it.
 
 `EarlyStopping` and the other callbacks need nothing: they see the same global logs on every
 rank, so they take the same decisions. Models under other strategies are untouched.
@@ -37,18 +41,25 @@ def install():
     """Wrap the Keras 3 callbacks; raises `KerasHookError` if Keras moved them (never silent)."""
     if _installed:
         return
-    _, BackupAndRestore, TensorBoard = _compat.keras3_callback_classes(HOOK)
+    ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger = _compat.keras3_callback_classes(HOOK)
     save_model = _compat.KERAS3_SAVE_MODEL
-    for cls, methods in ((BackupAndRestore, [save_model, "on_train_end"]), (TensorBoard, ["set_model"])):
+    for cls, methods in ((ModelCheckpoint, [save_model, _compat.KERAS3_CHECKPOINT_PATH]),
+                         (BackupAndRestore, [save_model, "on_train_end"]), (TensorBoard, ["set_model"]),
+                         (CSVLogger, ["on_train_begin"])):
         _compat.require_methods(cls, methods, HOOK)  # all checked before any is patched
     if _compat.tf_keras_in_use():
         tf_keras_backup = _compat.tf_keras_callback_class("BackupAndRestore", HOOK)
+        tf_keras_csv = _compat.tf_keras_callback_class("CSVLogger", HOOK)
         _compat.require_methods(tf_keras_backup, ["on_train_begin"], HOOK, "tf_keras")
+        _compat.require_methods(tf_keras_csv, ["on_train_begin"], HOOK, "tf_keras")
+    _compat.patch_method(ModelCheckpoint, save_model, _folder_first, HOOK)
     _compat.patch_method(BackupAndRestore, save_model, lambda m: _gathered_first(_chief_only(m)), HOOK)
     _compat.patch_method(BackupAndRestore, "on_train_end", _chief_only, HOOK)
     _compat.patch_method(TensorBoard, "set_model", lambda m: _before(m, _log_to_scratch, model_arg=True), HOOK)
+    _compat.patch_method(CSVLogger, "on_train_begin", lambda m: _before(m, _csv_to_scratch), HOOK)
     if _compat.tf_keras_in_use():
         _compat.patch_method(tf_keras_backup, "on_train_begin", _allow_horovod_strategy, HOOK, "tf_keras")
+        _compat.patch_method(tf_keras_csv, "on_train_begin", lambda m: _before(m, _csv_to_scratch), HOOK, "tf_keras")
     _installed.append(True)
 
 
@@ -72,6 +83,11 @@ def _log_to_scratch(callback, model):
     callback.log_dir = os.path.join(scratch_dir(), "tensorboard")
 
 
+def _csv_to_scratch(callback, model):
+    callback.filename = os.path.join(scratch_dir(), "csv", os.path.basename(callback.filename) or "log.csv")
+    os.makedirs(os.path.dirname(callback.filename), exist_ok=True)
+
+
 def _before(method, redirect, model_arg=False):
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
@@ -89,6 +105,22 @@ def _gathered_first(method):
     def wrapped(self, *args, **kwargs):
         with sharded_saves.gathered_for_save(self.model):
             return method(self, *args, **kwargs)
+
+    return wrapped
+
+
+def _folder_first(method):
+    @functools.wraps(method)
+    def wrapped(self, epoch, batch=None, logs=None):
+        if recognise.multi_rank_strategy_of(self.model) is not None:
+            try:
+                path = getattr(self, _compat.KERAS3_CHECKPOINT_PATH)(epoch, batch, logs or {})
+            except Exception:  # noqa: BLE001  (Keras raises its own error for a bad path)
+                path = None
+            folder = os.path.dirname(path) if isinstance(path, str) and "://" not in path else ""
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+        return method(self, epoch=epoch, batch=batch, logs=logs)
 
     return wrapped
 

@@ -41,11 +41,12 @@ import weakref
 
 import tensorflow as tf
 
-from tfdist import _compat, collectives, durable, rank_variables
+from tfdist import _compat, collectives, rank_variables
+from tfdist.faults import durable
 from tfdist.keras import recognise
 from tfdist.keras import save_notices, sharded_saves
 from tfdist.errors import SaveSyncError
-from tfdist.watchdog_support import describe_exception, host_name
+from tfdist.faults.watchdog_support import describe_exception, host_name
 
 log = logging.getLogger("tfdist")
 

@@ -2,7 +2,7 @@
 
 Some of tfdist's features follow the training loop step by step: preemption stops every rank at
 one agreed step and saves there (`tfdist.keras.preemption`), the hang detector knows which step
-each rank is in (`tfdist.hang`). They need a callback in every `fit`, also one whose code was
+each rank is in (`tfdist.faults.hang`). They need a callback in every `fit`, also one whose code was
 written for another strategy. Installed by `HorovodStrategy()`, this wraps `fit` (Keras 3 and
 tf-keras) so that the registered callbacks run first (before the user's: they see the position
 before any user callback acts on it) or last (after every user callback, e.g. to stop after the

@@ -3,7 +3,7 @@
 Installed by `HorovodStrategy()`, in every `fit` of a model under it (`tfdist.keras.fit_callbacks`):
 
 - a SIGTERM or SIGUSR1 to any rank (or to all, as `srun` and `scancel` send it) stops every rank
-  after the same step (`tfdist.preemption.StepAgreement`), never after an epoch's last step (the
+  after the same step (`tfdist.faults.preemption.StepAgreement`), never after an epoch's last step (the
   epoch's end, validation and epoch-end saves run first);
 - there the job's own checkpointing saves: Keras' `BackupAndRestore` (any `save_freq`, both
   flavours), `tfdist.callbacks.Checkpointer`, `ModelCheckpoint` (by its own rules), and any
@@ -30,7 +30,8 @@ from __future__ import annotations
 import logging
 import math
 
-from tfdist import _compat, _compat_state, collectives, preemption
+from tfdist import _compat, _compat_state, collectives
+from tfdist.faults import preemption
 from tfdist.keras import fit_callbacks
 
 log = logging.getLogger("tfdist")
@@ -46,7 +47,7 @@ def install():
     their position. Raises `KerasHookError` if Keras moved what is wrapped."""
     if _installed:
         return
-    _, backup, _ = _compat.keras3_callback_classes(HOOK)
+    _, backup, *_ = _compat.keras3_callback_classes(HOOK)
     _compat.patch_method(backup, _compat.KERAS3_SAVE_MODEL, _recording_position, HOOK)
     callback_list = _keras3_callback_list()
     for method in ("on_train_batch_begin", "on_train_batch_end"):
@@ -77,7 +78,7 @@ def _hiding_read_only_batches(method):
 
 
 def _base():
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     return keras_module().callbacks.Callback
 
@@ -141,7 +142,7 @@ class _StopAtAgreedStep:
             self._stop(position, logs, f"at the end of epoch {epoch + 1}")
 
     def _stop(self, position, logs, where):
-        self.agreement.close()
+        # the signals stay caught while every rank saves; exit_preempted then ignores them to the end
         saved = _save_everything(self.model, self.fit_callbacks, position, logs)
         if saved:
             what = f"saved {where} by {'; '.join(saved)}"

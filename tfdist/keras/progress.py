@@ -15,8 +15,9 @@ model.fit(ds, epochs=3, verbose=1)      # every rank prints its bar
 The same ranks also ignore Keras' Python `UserWarning`s (e.g. "`shuffle=True` was passed, but
 will be ignored ..."): every rank runs the same code and would print the same warning.
 
-`TFDIST_QUIET_RANKS=0` turns all of this off (and keeps TensorFlow's C++ start-up log on every
-rank, which `tfdist.tuning.startup` otherwise quiets on ranks other than 0). Models under other
+`TFDIST_QUIET_RANKS=0` turns all of this off (and leaves ranks other than 0 at TensorFlow's own
+C++ log level, as rank 0, where `tfdist.tuning.startup` otherwise quiets them; TensorFlow's
+start-up lines stay off every rank unless `TFDIST_TF_STARTUP_LINES=1`). Models under other
 strategies, and one-process jobs, are untouched.
 """
 

@@ -16,9 +16,10 @@ import os
 import threading
 import time
 
-from tfdist import collectives, watchdog
+from tfdist import collectives
+from tfdist.faults import watchdog
 from tfdist.errors import SaveSyncError
-from tfdist.watchdog_support import host_name
+from tfdist.faults.watchdog_support import host_name
 
 log = logging.getLogger("tfdist")
 

@@ -34,7 +34,7 @@ from tfdist import _compat, collectives
 from tfdist.errors import ShardedStateError
 from tfdist.exchange import sharded
 from tfdist.keras import recognise, sharded_saves
-from tfdist.keras_flavour import legacy_requested
+from tfdist.keras.flavour import legacy_requested
 
 log = logging.getLogger("tfdist")
 

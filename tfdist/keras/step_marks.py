@@ -1,4 +1,4 @@
-"""Keras batches as `tfdist.hang` marks: the hang detector knows which step each rank is in.
+"""Keras batches as `tfdist.faults.hang` marks: the hang detector knows which step each rank is in.
 
 `install()` (called by `HorovodStrategy()`) adds a callback first in every `fit` of a model under
 a tfdist strategy (`tfdist.keras.fit_callbacks`); it marks each batch from its
@@ -11,13 +11,13 @@ only `fit` takes tfdist's callbacks.
 ```python
 from tfdist.keras import step_marks
 step_marks.install()
-model.fit(ds, epochs=3)          # under HorovodStrategy: tfdist.hang.snapshot()["what"] is the step
+model.fit(ds, epochs=3)          # under HorovodStrategy: tfdist.faults.hang.snapshot()["what"] is the step
 ```
 """
 
 import collections
 
-from tfdist import hang
+from tfdist.faults import hang
 from tfdist.keras import fit_callbacks
 
 _counts = {"train": 0, "test": 0, "predict": 0}  # this process's train steps, evaluations, predictions
@@ -32,7 +32,7 @@ def install():
 
 
 def _marks(model):
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     return type("TfdistStepMarks", (_StepMarks, keras_module().callbacks.Callback), {})()
 

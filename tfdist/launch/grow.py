@@ -5,7 +5,7 @@
 (the discovery script, or the Slurm allocation) again every `TFDIST_GROW_CHECK_SECONDS` (default
 60). Once more ranks fit, it writes the job's control file (`TFDIST_CONTROL_FILE`, which rank 0
 reads once a second): every rank stops at the end of the running epoch, the epoch's checkpoint
-is saved, and the job exits 75 (`tfdist.preemption`). tfdist-run then relaunches on the larger
+is saved, and the job exits 75 (`tfdist.faults.preemption`). tfdist-run then relaunches on the larger
 rank count, keeping the global batch (`--global-batch`), and the job resumes from that epoch.
 
 ```python

@@ -34,9 +34,9 @@ import sys
 
 from tfdist.launch import launcher_output
 from tfdist.launch import recovery
-from tfdist.watchdog_support import LINE_CHARS, clip
+from tfdist.faults.watchdog_support import LINE_CHARS, clip
 
-STOPPED_CODE = 3  # tfdist.watchdog.EXIT_CODE (not imported here: the watchdog loads TensorFlow)
+STOPPED_CODE = 3  # tfdist.faults.watchdog.EXIT_CODE (not imported here: the watchdog loads TensorFlow)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _VERDICT = re.compile(r"tfdist watchdog: rank \d+ \(host .+?, pid \d+\) .+?\. Stopping ")
 # A rank's stderr line as horovodrun ("[1]<stderr>:") or mpirun --tag-output ("[1,1]<stderr>:") tags it.
@@ -87,8 +87,8 @@ def run(argv, host_of_rank=None, env=None):
     last. Returns the exit status (128+N for a launcher killed by signal N)."""
     import os
 
-    code, tail, stopped = launcher_output.run_once(argv, dict(os.environ if env is None else env),
-                                                   keep=launcher_output.launcher_noise(argv))
+    code, tail, stopped, report = launcher_output.run_once(argv, dict(os.environ if env is None else env),
+                                                           kind=launcher_output.launcher_lines(argv))
     status = code if code >= 0 else 128 - code
     # The ranks' stop line decides, not the launcher's status: horovodrun, itself sent SIGTERM,
     # exited 0 in one loaded run although both ranks had exited 75.
@@ -97,7 +97,8 @@ def run(argv, host_of_rank=None, env=None):
         return 0
     if stop is not None:
         print(f"tfdist-run: job preempted ({stop[0]}): {stop[1]}. Exit status {recovery.PREEMPTED_CODE}: "
-              "run the same command again to continue.", file=sys.stderr, flush=True)
+              f"run the same command again to continue{launcher_output.report_note(argv, report)}.",
+              file=sys.stderr, flush=True)
         return recovery.PREEMPTED_CODE
     if stopped is not None:
         what = f"stopped by {recovery.signal_name(stopped)} sent to tfdist-run"

@@ -30,12 +30,12 @@ import tempfile
 from tfdist.errors import TfdistError
 from tfdist.launch.hosts import parse_host_slots
 from tfdist.launch.launcher_output import (  # noqa: F401  (re-exported)
-    PREEMPTED_CODE, TAIL_LINES, launcher_noise, preempted, run_once)
+    PREEMPTED_CODE, TAIL_LINES, launcher_lines, preempted, report_note, run_once)
 
 RESTART_ENV = "TFDIST_RESTART"
 CAUSE_ENV = "TFDIST_RESTART_CAUSE"
 PROGRESS_ENV = "TFDIST_PROGRESS_FILE"
-CONTROL_ENV = "TFDIST_CONTROL_FILE"  # tfdist.preemption.CONTROL_ENV: tfdist-run asks the job to stop (grow back)
+CONTROL_ENV = "TFDIST_CONTROL_FILE"  # tfdist.faults.preemption.CONTROL_ENV: tfdist-run asks the job to stop (grow back)
 
 # Errors that a relaunch would meet again at the same point: not worth a restart.
 DETERMINISTIC = ("SyntaxError", "ModuleNotFoundError", "ImportError", "RankMismatchError",
@@ -361,7 +361,7 @@ def _loop(make_argv, np_, hosts, max_restarts, min_np, discovery_script, slurm_s
 
             watcher = GrowWatcher(control_file, lambda: plan_ranks(wanted, min_np, current_hosts(), global_batch)[0],
                                   np_now, log).start()
-        code, tail, stopped = run_once(argv, job_env, keep=launcher_noise(argv))
+        code, tail, stopped, report = run_once(argv, job_env, kind=launcher_lines(argv))
         grew = watcher.stop() if watcher is not None else False
         stop = preempted(tail)  # before the status: horovodrun sent SIGTERM once exited 0 after the ranks' 75
         if code == 0 and stop is None:
@@ -378,14 +378,15 @@ def _loop(make_argv, np_, hosts, max_restarts, min_np, discovery_script, slurm_s
             log(f"job preempted ({stop[0]}; {stop[1]}); not restarting"
                 + (f": {signal_name(stopped)} was sent to tfdist-run" if stopped is not None
                    else f" (restarts used up: {restart - grows} of --max-restarts {max_restarts})")
-                + f". Exit status {PREEMPTED_CODE}: run the same command again to continue.")
+                + f". Exit status {PREEMPTED_CODE}: run the same command again to continue{report_note(argv, report)}.")
             return PREEMPTED_CODE
         if stopped is not None:
             log(f"stopped by {signal_name(stopped)}; not restarting")
             return code if code > 0 else 128 + stopped
         if stop is not None:  # only some ranks were signalled: this allocation goes on, so resume
-            restart += 1
-            cause = f"preemption ({stop[0]}; {stop[1]})"
+            restart, cause = restart + 1, f"preemption ({stop[0]}; {stop[1]})"
+            if report:
+                log(f"job preempted{report_note(argv, report)}")
             continue
         failure = analyse(code, tail, lambda r, hosts_now=hosts_now, argv=argv: _host_of_rank(r, hosts_now, argv))
         failure.progress = read_progress(progress_file)

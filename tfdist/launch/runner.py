@@ -233,7 +233,7 @@ def main(argv=None):
                         help="do not apply tfdist's per-rank settings before the command starts")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="relaunch a failed job up to N times; it resumes from its Checkpointer "
-                             "checkpoint (see docs/FAULTS.md, Recovery)")
+                             "checkpoint (see docs/faults/RESTARTS.md)")
     parser.add_argument("--min-np", type=int, metavar="K",
                         help="a relaunch may use fewer ranks, down to K, when hosts are gone")
     parser.add_argument("--host-discovery-script", metavar="PATH",

@@ -1,7 +1,8 @@
-"""Make `TF_CPP_MIN_LOG_LEVEL` hold for the C++ lines that escape it, on ranks other than 0.
+"""Keep TensorFlow's C++ start-up lines, and the lines that escape `TF_CPP_MIN_LOG_LEVEL`, off a rank's stderr.
 
-TensorFlow logs some start-up lines through absl before absl is initialised; those reach stderr
-whatever `TF_CPP_MIN_LOG_LEVEL` says, twice per process (two of its libraries log them):
+TensorFlow logs some lines through absl while its libraries load, before it reads
+`TF_CPP_MIN_LOG_LEVEL`: they reach stderr whatever that level says, twice per process (each of its
+two libraries logs them):
 
 ```
 WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
@@ -9,23 +10,33 @@ I0000 00:00:1795485010.736119   16659 cudart_stub.cc:31] Could not find cuda dri
 I0000 00:00:1795485151.146170   20027 port.cc:153] oneDNN custom operations are on. You may see ...
 ```
 
-`python -m tfdist --` (what `tfdist-run` starts every rank with) calls `start(level)` on ranks
-other than 0 with their `TF_CPP_MIN_LOG_LEVEL` (`tfdist.tuning.startup.quiet_log_level`'s, or the one you
-set), unless `TFDIST_QUIET_RANKS=0`, just before it executes the command. fd 2 then goes through
-a small process that drops absl's header line and the absl-format lines below that level (I and
-W for "2", also E for "3"; never F) and forwards everything else unchanged, line by line as it
-comes (a line without its newline after 0.2 s). It leaves when the last writer has closed the
-pipe, and it is in a session of its own and nobody's child, so a launcher's signals to the rank's
-process group cannot cut off what the rank wrote last (a traceback, the watchdog's line). The rank
-keeps its pid, exit status and signals (it still `exec`s). Rank 0's output is never filtered.
+`python -m tfdist --` (what `tfdist-run` starts every rank with) calls `start(level, start_up)` on
+every rank, rank 0 included, just before it executes the command: `level` is the rank's
+`TF_CPP_MIN_LOG_LEVEL` (`tfdist.tuning.startup.quiet_log_level`'s on ranks other than 0, or the
+one you set), `start_up` False where `TFDIST_TF_STARTUP_LINES=1` asks for TensorFlow's start-up
+lines. fd 2 then goes through a small process that drops absl's header line, TensorFlow's start-up
+notices (`START_UP`: the CUDA-driver, oneDNN and CPU-instruction lines, below ERROR), and the
+absl-format lines below `level` (I and W for "2", also E for "3"; never F), and forwards
+everything else unchanged, line by line as it comes (a line without its newline after 0.2 s).
+It leaves when the last writer has closed the pipe. It is in a session of its own, nobody's child,
+and ignores the signals that schedulers and terminals send (`IGNORED`): a launcher's signals to the
+rank's process group, or Slurm's SIGTERM to every process of the job, cannot cut off what the rank
+writes last (the preemption stop line, a traceback, the watchdog's line). The rank keeps its pid,
+exit status and signals (it still `exec`s).
 """
-
 import os
 import re
 import select
+import signal
 
 ABSL_HEADER = re.compile(rb"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR\r?$")
 HOLD_SECONDS = 0.2  # how long a line without its newline waits for the rest
+# TensorFlow's start-up notices below ERROR, by the file that logs them, and the second line of the
+# CPU-instructions notice (it has no absl prefix).
+START_UP = (ABSL_HEADER,
+            re.compile(rb"^[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ (?:cudart_stub|port|cpu_feature_guard)\.cc:\d+\] "),
+            re.compile(rb"^To enable the following instructions: "))
+IGNORED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
 
 def noise(level):
@@ -37,10 +48,16 @@ def noise(level):
     return (ABSL_HEADER, re.compile(rb"^[" + severities + rb"]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w./-]+:\d+\] "))
 
 
-def start(level):
-    """Route this process's fd 2 through the filter process (call just before `exec`)."""
-    patterns = noise(level)
-    if not patterns:
+def patterns(level, start_up=True):
+    """What the filter drops: `noise(level)`, and TensorFlow's start-up lines with `start_up`."""
+    return tuple(dict.fromkeys((START_UP if start_up else ()) + noise(level)))
+
+
+def start(level, start_up=True):
+    """Route this process's fd 2 through the filter process (call just before `exec`); nothing
+    to do when nothing is to be dropped (`patterns`)."""
+    dropped = patterns(level, start_up)
+    if not dropped:
         return
     source, sink = os.pipe()
     child = os.fork()
@@ -48,9 +65,11 @@ def start(level):
         try:
             os.setsid()
             if os.fork() == 0:
+                for name in IGNORED:
+                    signal.signal(getattr(signal, name), signal.SIG_IGN)
                 os.close(sink)
                 _detach(source)
-                _run(3, 2, patterns)
+                _run(3, 2, dropped)
         finally:
             os._exit(0)
     os.close(source)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 
 if TYPE_CHECKING:
     from keras.optimizers import Optimizer

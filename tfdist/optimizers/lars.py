@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 from tfdist.exchange import sharded
-from tfdist.keras_flavour import keras_module
+from tfdist.keras.flavour import keras_module
 
 if TYPE_CHECKING:
     from keras.optimizers import Optimizer

@@ -1,8 +1,8 @@
 """What the launcher and this node say about this process, read without TensorFlow.
 
 The local rank and rank count (horovodrun, Open MPI, MPICH/Intel MPI, an srun step), the global rank,
-the switches `TFDIST_TUNING` and `TFDIST_QUIET_RANKS`, core binding by the launcher, and the record
-that `tfdist.tuning.startup` leaves of what it set before TensorFlow loaded.
+the switches `TFDIST_TUNING`, `TFDIST_QUIET_RANKS` and `TFDIST_TF_STARTUP_LINES`, core binding by
+the launcher, and the record that `tfdist.tuning.startup` leaves of what it set before TensorFlow loaded.
 
 ```python
 from tfdist.tuning import environment
@@ -16,6 +16,7 @@ import os
 STATE_VARIABLE = "TFDIST_STARTUP"
 SWITCH_VARIABLE = "TFDIST_TUNING"  # "0"/"off": no early settings (HorovodStrategy(tuning=...) still runs)
 QUIET_VARIABLE = "TFDIST_QUIET_RANKS"  # "0"/"off": ranks other than 0 print as rank 0 does
+STARTUP_LINES_VARIABLE = "TFDIST_TF_STARTUP_LINES"  # "1"/"on": TensorFlow's C++ start-up lines are kept
 # The global rank as each launcher sets it: horovodrun, Open MPI, PMIx, MPICH/Intel MPI, srun.
 _RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 _LAYOUT_VARIABLES = (
@@ -37,6 +38,13 @@ def _switch(name, env=None):
 def quiet_ranks(env=None):
     """Whether ranks other than 0 stay quiet (`TFDIST_QUIET_RANKS`, on unless "0"/"off")."""
     return _switch(QUIET_VARIABLE, env)
+
+
+def startup_lines_wanted(env=None):
+    """Whether TensorFlow's C++ start-up lines are kept under `python -m tfdist --`
+    (`TFDIST_TF_STARTUP_LINES`, off unless "1"/"on")."""
+    env = os.environ if env is None else env
+    return env.get(STARTUP_LINES_VARIABLE, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 def launcher_rank(env=None):

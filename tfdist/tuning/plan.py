@@ -17,7 +17,7 @@ thread a `tf.function` that makes its own iterator over a distributed dataset de
 (`MIN_INTER_OP_THREADS`). oneDNN is switched on (`TF_ENABLE_ONEDNN_OPTS=1`; TensorFlow leaves it off on CPUs
 without AVX-512 VNNI/BF16, where it is worth about 1.45x for ResNet50), and OpenMP builds
 (intel-tensorflow) get `OMP_NUM_THREADS`, `KMP_BLOCKTIME`, `KMP_AFFINITY`, `KMP_SETTINGS`. GPU: one
-GPU per local rank (`CUDA_VISIBLE_DEVICES`), memory growth on (`tfdist.gpu`). A `tfdist-tune`
+GPU per local rank (`CUDA_VISIBLE_DEVICES`), memory growth on (`tfdist.tuning.gpu`). A `tfdist-tune`
 measurement cached for this machine (`tfdist.tuning.cache`) replaces these choices. Settings TensorFlow reads when it loads are
 applied before it loads by `tfdist.tuning.startup`; the summary reports what TensorFlow says is in
 effect, never the plan alone. Horovod: CPU-only jobs get a 10 ms background cycle
@@ -29,7 +29,8 @@ import glob
 import logging
 import os
 
-from tfdist import _compat, gpu as gpu_lib
+from tfdist import _compat
+from tfdist.tuning import gpu as gpu_lib
 from tfdist.tuning import environment
 from tfdist.units import MB
 
@@ -147,7 +148,8 @@ def _inter_op_threads(asked, cpus, reasons):
 # exchanges a readiness message with the other ranks each time: measured here, about 3,500
 # context switches a second and 6-8% of a core per idle rank, taken from ranks pinned to few
 # cores. On CPU a training step takes 100s of ms, so a 10 ms cycle costs nothing measurable in
-# latency (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s, docs/PERFORMANCE.md). GPU steps can
+# latency (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s,
+# docs/benchmarks/records-2026-11-22-intel-xeon.md). GPU steps can
 # be a few ms, so GPU jobs keep Horovod's default.
 CPU_CYCLE_TIME_MS = 10
 

@@ -18,10 +18,11 @@ print(tfdist.tuning.startup.state()) # what was set, by which route, and what th
 The local rank and rank count come from the launcher's environment (horovodrun, Open MPI,
 MPICH/Intel MPI, an srun step). This module never imports TensorFlow: `tfdist-run` stays fast.
 
-Ranks other than 0 also get `TF_CPP_MIN_LOG_LEVEL` (`quiet_log_level`) unless it is set already,
-and under `python -m tfdist --` a filter that applies that level (or yours) to the start-up lines
-that escape it (`tfdist.launch.stderr_filter`): TensorFlow's C++ start-up lines come once, from rank 0.
-`TFDIST_QUIET_RANKS=0` leaves every rank as TensorFlow has it (see `tfdist.keras.progress`).
+Ranks other than 0 also get `TF_CPP_MIN_LOG_LEVEL` (`quiet_log_level`) unless it is set already.
+Under `python -m tfdist --` every rank's stderr goes through a filter (`tfdist.launch.stderr_filter`)
+that drops TensorFlow's C++ start-up lines (rank 0's too; `TFDIST_TF_STARTUP_LINES=1` keeps them)
+and applies the rank's level (that one, or yours) to the lines that escape it.
+`TFDIST_QUIET_RANKS=0` leaves ranks other than 0 at TensorFlow's level, as rank 0 (see `tfdist.keras.progress`).
 """
 
 import json
@@ -42,6 +43,7 @@ from tfdist.tuning.environment import (  # noqa: F401  (part of this module's in
     quiet_log_level,
     quiet_ranks,
     set_by_tfdist,
+    startup_lines_wanted,
     state,
 )
 
@@ -112,11 +114,12 @@ def main(argv=None):
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     sys.stdout.flush()
-    if launcher_rank() and quiet_ranks() and os.environ.get("TF_CPP_MIN_LOG_LEVEL"):
+    if launcher_rank() is not None:
         from tfdist.launch import stderr_filter
 
-        # The level (quiet_log_level's, or the user's) also for the start-up lines that escape it.
-        stderr_filter.start(os.environ["TF_CPP_MIN_LOG_LEVEL"])
+        # Every rank, rank 0 too: TensorFlow's start-up lines, and the level (quiet_log_level's, or
+        # the user's) also for the lines that escape it.
+        stderr_filter.start(os.environ.get("TF_CPP_MIN_LOG_LEVEL"), start_up=not startup_lines_wanted())
     try:
         os.execvp(argv[0], argv)
     except OSError as e:  # e.g. a program that is not on this host's PATH

@@ -21,7 +21,7 @@ A fresh process costs about 40 s before its first timed step with ResNet50 on 2 
 TensorFlow, tracing and optimising the training graph), so `--budget` (seconds, default 180) stops
 starting candidates once the next one would not finish in time: the candidates are ordered by
 what they were worth in measurements (oneDNN, ranks per node and pinning first, a 1 ms Horovod
-cycle last, see docs/PERFORMANCE.md), and the skipped ones are named.
+cycle last, see docs/benchmarks/records-2026-11-22-cpu-tuning.md), and the skipped ones are named.
 
 It prints the table it measured and caches the fastest candidate per ranks-per-node for this
 (CPU model, cpus, TensorFlow version, model) in `tfdist.tuning.cache`. Later jobs on this machine

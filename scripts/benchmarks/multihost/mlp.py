@@ -11,7 +11,7 @@ import os
 
 
 def wide_mlp(image_size, num_classes):
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     keras = keras_module()
     width = int(os.environ.get("TFDIST_MLP_WIDTH", 2048))

@@ -56,7 +56,7 @@ def main():
 
     from tfdist.tuning import plan as tuning
     from tfdist.benchmark import run as bench
-    from tfdist.keras_flavour import keras_module
+    from tfdist.keras.flavour import keras_module
 
     keras, bargs = keras_module(), benchmark_args(args)
     launched, strategy = "one process", None

@@ -1,11 +1,11 @@
 """`tfdist-install-horovod`: build Horovod 0.28.1 against this environment's TensorFlow and install it.
 
 ```bash
-pip install '/path/to/tfdist[cpu]'        # tfdist and TensorFlow 2.21 (CPU)
+pip install '/path/to/tfdist[cpu]'        # tfdist and TensorFlow 2.16 to 2.21 (CPU)
 tfdist-install-horovod                    # Horovod into the same environment (no root)
 tfdist-install-horovod --dry-run          # what it would do
-python -m tfdist.install_horovod          # the same command
-python tfdist/install_horovod.py          # the same, before tfdist itself is installed
+python -m tfdist.horovod_build.install          # the same command
+python tfdist/horovod_build/install.py          # the same, before tfdist itself is installed
 ```
 
 `pip install horovod==0.28.1` cannot build against TensorFlow 2.21. This command installs into
@@ -18,12 +18,16 @@ the environment of the Python running it (`sys.executable`):
    of the patch set, so a wheel built with other patches is not reused), or builds one from the
    PyPI sdist (once, about 10 minutes), with `--no-build-isolation`,
    `CMAKE_POLICY_VERSION_MINIMUM=3.5` (CMake 4 rejects the vendored Gloo otherwise) and the
-   patches in tfdist/horovod_patches/ applied to the sdist (docs/INSTALL.md lists them: without
+   patches in tfdist/horovod_build/patches/ applied to the sdist (docs/INSTALL.md lists them: without
    `xla_mpi_ops.cc`, which does not compile against TF 2.21's XLA headers, and Keras 3 support).
    With the GPU stack (`tensorflow[and-cuda]`, or `--gpu yes`) it builds Horovod's NCCL operations
    too, cached apart (`...-nccl`): see `cuda_toolkit()` and docs/GPU.md.
 3. It installs the wheel and Horovod's runtime dependencies with this Python's pip, then checks
    that `horovodrun -cb` lists TensorFlow and Gloo (and MPI when built with it).
+
+Without network (a compute node): `--wheelhouse DIR` installs the wheel that scripts/wheelhouse.py
+put in DIR/wheels/ (the cache's layout) and its runtime dependencies from DIR (`pip --no-index`);
+it never builds or downloads.
 
 Standard library only, and nothing from tfdist: it runs before tfdist or TensorFlow is importable.
 """
@@ -40,12 +44,14 @@ import sysconfig
 import tempfile
 import time
 
-# Run by path (`python tfdist/install_horovod.py`) the toolchain is a sibling file, not a tfdist module.
+# Run by path (`python tfdist/horovod_build/install.py`) the toolchain is a sibling file, not a tfdist module.
 if __package__:
-    from tfdist import horovod_toolchain as toolchain
+    from tfdist.horovod_build import toolchain
+    from tfdist.horovod_build import versions
 else:  # run as a file (tests/test_install_horovod.py runs it so): its folder holds the toolchain
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import horovod_toolchain as toolchain
+    import toolchain
+    import versions
 
 TF_DISTRIBUTIONS = ("tensorflow-cpu", "tensorflow")  # tfdist[cpu], tfdist[gpu]
 RUNTIME_REQUIREMENTS = ("cffi>=1.4.0", "cloudpickle", "psutil", "pyyaml", "packaging")
@@ -64,6 +70,7 @@ class Plan:
     notes: list = dataclasses.field(default_factory=list)
     patches: list = dataclasses.field(default_factory=list)  # the patch files this build applies
     patch_digest: str = ""  # of their names and contents when planned (toolchain.patches_digest)
+    mpi_choice: str = "auto"  # --mpi as asked: auto, yes or no
 
     @property
     def toolkit_dir(self):
@@ -95,7 +102,7 @@ def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None,
     """Detect TensorFlow, MPI and the GPU stack in this environment (each overridable for tests).
 
     gpu: auto (NCCL where the GPU stack is installed), yes (NCCL, required), no (never NCCL);
-    patch_dir: where the patch files are (default tfdist/horovod_patches)."""
+    patch_dir: where the patch files are (default tfdist/horovod_build/patches)."""
     notes = []
     if tf is None:
         found = [(name, toolchain.installed_version(name)) for name in TF_DISTRIBUTIONS]
@@ -106,8 +113,9 @@ def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None,
                 f"TensorFlow first: `pip install '<tfdist checkout or wheel>[cpu]'` ([gpu] for "
                 f"tensorflow[and-cuda]), then run `{toolchain.PROG}` again.")
         tf = found[0]
-    if not tf[1].startswith("2.21."):
-        notes.append(f"TensorFlow {tf[1]}: tfdist pins and tests 2.21; building against it anyway")
+    if not versions.tf_in_range(tf[1]):
+        notes.append(f"TensorFlow {tf[1]} is outside tfdist's tested range, {versions.RANGE_TEXT} "
+                     "(docs/INSTALL.md, Versions): building against it anyway")
     mpicxx = shutil.which("mpicxx") if mpicxx is None else mpicxx
     if mpi == "yes" and not mpicxx:
         raise toolchain.InstallError(
@@ -128,7 +136,7 @@ def make_plan(cache_root=None, mpi="auto", tf=None, mpicxx=None, gpu_stack=None,
     python_tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
     patches = toolchain.source_patches(nccl, patch_dir)
     return Plan(tf[0], tf[1], python_tag, with_mpi, mpicxx or "", gpu_stack, nccl,
-                cache_root or toolchain.default_cache(), notes, patches, toolchain.patches_digest(patches))
+                cache_root or toolchain.default_cache(), notes, patches, toolchain.patches_digest(patches), mpi)
 
 
 def cached_wheel(plan):
@@ -164,9 +172,28 @@ def build(plan, jobs):
         shutil.rmtree(out, ignore_errors=True)
 
 
-def install(wheel):
-    toolchain.pip(["install", "-q", "--no-deps", "--force-reinstall", wheel])
-    toolchain.pip(["install", "-q", *RUNTIME_REQUIREMENTS])
+def install(wheel, wheelhouse=None):
+    """pip-install the wheel and Horovod's runtime dependencies (from `wheelhouse` only, if given)."""
+    source = ["--no-index", "--find-links", wheelhouse] if wheelhouse else []
+    toolchain.pip(["install", "-q", *source, "--no-deps", "--force-reinstall", wheel])
+    toolchain.pip(["install", "-q", *source, *RUNTIME_REQUIREMENTS])
+
+
+def wheelhouse_plan(plan):
+    """The plan whose wheel the wheelhouse holds: with --mpi auto, the MPI build where this node has
+    no mpicxx, or the Gloo-only one where it has, if that is the only one there (a compute node
+    often loads its MPI module only in jobs). Raises InstallError naming the folder otherwise."""
+    if cached_wheel(plan):
+        return plan
+    other = dataclasses.replace(plan, mpi=not plan.mpi)
+    if plan.mpi_choice == "auto" and cached_wheel(other):
+        other.notes.append(f"the wheelhouse holds the {'MPI' if other.mpi else 'Gloo-only'} build: using it")
+        return other
+    there = sorted(os.path.basename(d) for d in glob.glob(os.path.join(plan.cache_root, "wheels", "horovod-*")))
+    raise toolchain.InstallError(
+        f"--wheelhouse: no Horovod wheel for this environment in {plan.wheel_dir}/; the wheelhouse holds "
+        f"{', '.join(there) or 'none'}. Make one for TensorFlow {plan.tf_version} and Python {plan.python_tag} "
+        "(scripts/wheelhouse.py --python X.Y --tensorflow ...) and install that TensorFlow from it.")
 
 
 def find_script(name):
@@ -200,7 +227,7 @@ def verify(plan):
 
 
 def describe(plan):
-    mpi = f"yes ({plan.mpicxx})" if plan.mpi else "no"
+    mpi = f"yes ({plan.mpicxx or 'the wheelhouse build; no mpicxx here'})" if plan.mpi else "no"
     gpu = ("tensorflow[and-cuda]" + (", NCCL" if plan.nccl else ", without NCCL")) if plan.gpu_stack else "no"
     return (f"TensorFlow {plan.tf_version} ({plan.tf_distribution}), Python {plan.python_tag}, "
             f"MPI: {mpi}, GPU stack: {gpu}; target environment: {sys.prefix} ({sys.executable})")
@@ -208,7 +235,9 @@ def describe(plan):
 
 def run(args):
     start = time.monotonic()
-    plan = make_plan(args.cache, args.mpi, gpu=args.gpu)
+    plan = make_plan(args.wheelhouse or args.cache, args.mpi, gpu=args.gpu)
+    if args.wheelhouse:
+        plan = wheelhouse_plan(plan)
     toolchain.say(describe(plan))
     for note in plan.notes:
         toolchain.say(f"note: {note}")
@@ -223,7 +252,7 @@ def run(args):
     if wheel:
         toolchain.say(f"reusing the cached wheel {wheel} (no rebuild)")
         source = "the cached wheel"
-    elif args.cache_only:
+    elif args.cache_only or args.wheelhouse:
         raise toolchain.InstallError(f"--cache-only: no cached wheel in {plan.wheel_dir}/; run `{toolchain.PROG}` without "
                            "--cache-only to build one (about 10 minutes, once)")
     else:
@@ -234,7 +263,7 @@ def run(args):
         toolchain.say(f"built {wheel} in {time.monotonic() - began:.0f}s")
         source = "a new build"
     began = time.monotonic()
-    install(wheel)
+    install(wheel, args.wheelhouse)
     toolchain.say(f"installed {os.path.basename(wheel)} into {sys.prefix} in {time.monotonic() - began:.1f}s")
     checked = ""
     if not args.no_verify:
@@ -246,7 +275,7 @@ def run(args):
 
 
 def main(argv=None):
-    startup = sys.modules.get("tfdist.tuning.startup")  # `python -m tfdist.install_horovod` imported tfdist
+    startup = sys.modules.get("tfdist.tuning.startup")  # `python -m tfdist.horovod_build.install` imported tfdist
     if startup is not None:
         startup.undo()  # no per-rank tuning or core pinning for the compiler and pip
     parser = argparse.ArgumentParser(allow_abbrev=False,
@@ -260,6 +289,9 @@ def main(argv=None):
     parser.add_argument("--gpu", choices=("auto", "yes", "no"), default="auto",
                         help="build Horovod's NCCL operations: auto (where tensorflow[and-cuda] is installed), "
                              "yes (required), no; the NCCL wheel is cached apart (-nccl)")
+    parser.add_argument("--wheelhouse", metavar="DIR", default=None,
+                        help="without network: install the Horovod wheel of the wheelhouse DIR (made by "
+                             "scripts/wheelhouse.py) and its dependencies from DIR only; never builds")
     parser.add_argument("--rebuild", action="store_true", help="build even if a cached wheel exists")
     parser.add_argument("--cache-only", action="store_true",
                         help="never build: fail unless a cached wheel exists")
@@ -268,8 +300,11 @@ def main(argv=None):
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     parser.add_argument("-j", "--jobs", type=int, default=cpus, help="parallel compile jobs (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.rebuild and args.cache_only:
-        parser.error("--rebuild and --cache-only contradict each other")
+    args.wheelhouse = args.wheelhouse and os.path.abspath(args.wheelhouse)
+    if args.rebuild and (args.cache_only or args.wheelhouse):
+        parser.error(f"--rebuild and {'--cache-only' if args.cache_only else '--wheelhouse'} contradict each other")
+    if args.wheelhouse and args.cache:
+        parser.error("--wheelhouse DIR is the cache folder: leave out --cache")
     try:
         return run(args)
     except toolchain.InstallError as e:

@@ -1,7 +1,7 @@
 """GPUs: one per local rank, chosen before TensorFlow loads, and what TensorFlow then reports.
 
 ```python
-from tfdist import gpu
+from tfdist.tuning import gpu
 gpu.visible_ids()                     # ("0", "1", "2", "3"): what this node lets the job use
 gpu.early_env(local_rank=1, ids=("0", "1", "2", "3"))
 # {"CUDA_VISIBLE_DEVICES": "1", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}

@@ -2,12 +2,12 @@
 
 `tfdist.collectives` marks every collective it runs eagerly (`allreduce 'tfdist.metric_first.0'`,
 `allgather 'tfdist.objects.data'`) and `tfdist.keras.step_marks` every Keras batch of a `fit`
-(`train step 21 (epoch 2, batch 5)`); `tfdist.hang_detector` sends `snapshot()` to rank 0, which
+(`train step 21 (epoch 2, batch 5)`); `tfdist.faults.hang_detector` sends `snapshot()` to rank 0, which
 names ranks that wait in different ones. Marks nest (a collective inside a step shows as the
 collective until it ends). Standard library only: `tfdist.collectives` imports it.
 
 ```python
-from tfdist import hang
+from tfdist.faults import hang
 mark = hang.enter("allreduce 'my.sum'")
 try:
     ...                                   # the work, usually a collective

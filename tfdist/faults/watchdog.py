@@ -24,7 +24,7 @@ second from a daemon thread (nothing runs on the training path). Then:
 Example (normally `HorovodStrategy(watchdog=...)` does this for you):
 
 ```python
-from tfdist import collectives, watchdog
+from tfdist import collectives; from tfdist.faults import watchdog
 collectives.init()
 watchdog.start(timeout=20.0)      # no-op on one rank; TFDIST_WATCHDOG_TIMEOUT overrides
 ```
@@ -46,7 +46,7 @@ import time
 
 from tfdist import collectives
 from tfdist.errors import WatchdogError
-from tfdist.watchdog_support import (Peer, advertised_host, clip, describe_exception,
+from tfdist.faults.watchdog_support import (Peer, advertised_host, clip, describe_exception,
                                      host_name, listen, read_line)
 
 DEFAULT_TIMEOUT = 20.0  # below Gloo's own 30 s recv timeout, so the watchdog names the rank first
@@ -100,7 +100,7 @@ def start(timeout=None):
         except WatchdogError as e:
             record = {"error": str(e)}
     # every rank learns rank 0's address, or why there is none
-    hub = collectives.broadcast_object(record, name="tfdist.watchdog.address")
+    hub = collectives.broadcast_object(record, name="tfdist.faults.watchdog.address")
     if "error" in hub:
         if listener is not None:
             listener.close()

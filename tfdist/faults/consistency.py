@@ -17,7 +17,8 @@ collective calls whatever it finds (all ranks see the same gathered hashes), so 
 Example:
 
 ```python
-from tfdist import collectives, consistency
+from tfdist import collectives
+from tfdist.faults import consistency
 collectives.init()
 consistency.check_start(fingerprint="config-sha-1234")
 consistency.check_dataset(my_dataset)           # a collective: call it on every rank
@@ -41,20 +42,21 @@ _COLUMNS = 16  # fixed row width: column 0 names the items, the rest hold their 
 
 def check_start(fingerprint=None):
     """Compare versions, tfdist's source, the main script and `fingerprint` across ranks."""
-    _compare(start_items(fingerprint), "tfdist.consistency.start")
+    _compare(start_items(fingerprint), "tfdist.faults.consistency.start")
 
 
 def check_dataset(dataset):
     """Compare a dataset's batch size, element structure and manifest across ranks."""
-    _compare(dataset_items(dataset), "tfdist.consistency.dataset")
+    _compare(dataset_items(dataset), "tfdist.faults.consistency.dataset")
 
 
 def start_items(fingerprint=None):
     """(name, key, shown) triples: `key` is compared, `shown` is what a mismatch message prints."""
     from tfdist._version import __version__
-    from tfdist.keras_flavour import keras_module, legacy_requested
+    from tfdist.keras.flavour import keras_module, legacy_requested
 
-    source = _sha256_files(sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py"))))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tfdist/, every subpackage
+    source = _sha256_files(sorted(glob.glob(os.path.join(package, "**", "*.py"), recursive=True)))
     keras_name = "tf-keras" if legacy_requested() else "Keras"
     items = [
         ("tfdist version", f"{__version__} {source}",

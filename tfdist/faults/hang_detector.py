@@ -4,9 +4,9 @@ A collective that only some ranks enter (chief-only code that runs one; rank 0 i
 while rank 1 is in an allgather) waits forever, and every rank stays alive, so the watchdog has
 nothing to report and Horovod's stall inspector does nothing over Gloo. `HorovodStrategy` starts
 this detector after the watchdog (more than one rank). Every other rank sends rank 0 its
-`tfdist.hang.snapshot()` once a second over the watchdog's connection; rank 0 judges:
+`tfdist.faults.hang.snapshot()` once a second over the watchdog's connection; rank 0 judges:
 
-- a hang is every live rank inside a collective or Keras step (`tfdist.hang` marks) for longer
+- a hang is every live rank inside a collective or Keras step (`tfdist.faults.hang` marks) for longer
   than the warn bound, and not all in the same one (by name: Horovod matches collectives by
   name, and a step's name holds its number). Ranks in the same step, however slow, do not hang;
   a rank outside every mark (computing, doing I/O) is not stuck, so there is no verdict until it
@@ -19,7 +19,9 @@ this detector after the watchdog (more than one rank). Every other rank sends ra
   the line again and exits with the watchdog's code 3 (`watchdog.running().end_job`).
 
 ```python
-from tfdist import collectives, hang_detector, watchdog
+from tfdist import collectives
+from tfdist.faults import hang_detector
+from tfdist.faults import watchdog
 collectives.init()
 watchdog.start()
 hang_detector.start()     # no-op without a watchdog, or with TFDIST_HANG_WARN_SECONDS=0
@@ -34,8 +36,9 @@ import sys
 import threading
 import time
 
-from tfdist import hang, watchdog
-from tfdist.watchdog_support import clip
+from tfdist.faults import hang
+from tfdist.faults import watchdog
+from tfdist.faults.watchdog_support import clip
 
 WARN_ENV, TIMEOUT_ENV = "TFDIST_HANG_WARN_SECONDS", "TFDIST_HANG_TIMEOUT"
 DEFAULT_WARN_SECONDS, DEFAULT_TIMEOUT_SECONDS = 60.0, 300.0

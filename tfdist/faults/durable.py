@@ -1,7 +1,7 @@
 """Writes that survive a crash: flush a file's or a folder's entry to disk before relying on it.
 
 ```python
-from tfdist import durable
+from tfdist.faults import durable
 os.replace(temp, path)
 durable.fsync_path(os.path.dirname(path))   # the rename itself is on disk now
 ```

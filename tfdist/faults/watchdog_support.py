@@ -1,4 +1,4 @@
-"""Helpers of `tfdist.watchdog`: rank 0's address and its broadcast, the one-line error text, and a peer.
+"""Helpers of `tfdist.faults.watchdog`: rank 0's address and its broadcast, the one-line error text, and a peer.
 
 Rank 0 binds one TCP port: `TFDIST_WATCHDOG_ADDR` (`host`, `host:port` or `:port`) or, by
 default, any free port on all interfaces. It then sends its address record (address, token, host,

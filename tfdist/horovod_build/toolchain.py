@@ -1,13 +1,13 @@
 """What building Horovod 0.28.1 needs besides its sdist: pip, the build tools, the CUDA compiler
 toolkit assembled from NVIDIA's wheels for the NCCL build, and the patches to Horovod's sources
-(tfdist/horovod_patches/*.patch, applied in pure Python).
+(tfdist/horovod_build/patches/*.patch, applied in pure Python).
 
-Part of `tfdist-install-horovod` (`tfdist.install_horovod`). Standard library only, and nothing from
+Part of `tfdist-install-horovod` (`tfdist.horovod_build.install`). Standard library only, and nothing from
 tfdist: it runs by path too, before tfdist or TensorFlow is importable.
 
 ```python
-from tfdist import horovod_toolchain
-print(horovod_toolchain.nccl_build_env(plan))   # {} for a plan without NCCL
+from tfdist.horovod_build import toolchain
+print(toolchain.nccl_build_env(plan))   # {} for a plan without NCCL
 ```
 """
 
@@ -36,7 +36,7 @@ CUDA_CC_LIST = "75,80,90"
 # Where the NCCL wheel's libnccl.so.2 is, seen from horovod/tensorflow/mpi_lib*.so in site-packages.
 NCCL_RUNPATH = "$ORIGIN/../../nvidia/nccl/lib"
 # Unified diffs applied to Horovod's sdist before building, each with its reason (docs/INSTALL.md).
-PATCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_patches")
+PATCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches")
 BUILD_TOOLS = (("C++ compiler", ("g++", "c++")), ("cmake", ("cmake",)), ("make", ("make",)))
 # Notes this machine's extra local pip indexes print for every package: not worth showing.
 PIP_NOISE = "is ignored: it is neither a file nor a directory"
