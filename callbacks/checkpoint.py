@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from tfdist.callbacks._keras import Callback
 from tfdist import _compat, _compat_state, collectives, rank_variables
+from tfdist.keras import sharded_saves
 from tfdist.launch import recovery
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ def training_variables(model: keras.Model) -> list[Any]:
     """Every variable a checkpoint holds, in a fixed order: the model's, then the optimizer's.
 
     The optimizer's include its step counter and slots (momentum, ...); tf-keras keeps a float
-    learning rate outside `variables()`, so it is added (LearningRateWarmup changes it).
+    learning rate outside `variables()`, so it is added (LearningRateWarmup changes it). A slot
+    that `shard_optimizer_state=True` splits across ranks is seen whole (`sharded_saves.WholeSlot`).
 
     Args:
         model: the model (compiled, for its optimizer).
@@ -88,7 +90,7 @@ def training_variables(model: keras.Model) -> list[Any]:
         rate = _compat.optimizer_learning_rate(optimizer)
         if isinstance(rate, tf.Variable) and not any(rate is v for v in owned):
             owned.append(rate)
-        variables += owned
+        variables += [sharded_saves.whole_view(v) for v in owned]
     return variables
 
 
@@ -106,12 +108,18 @@ def _describe(value):
     return f"{np.dtype(value.dtype).name}{list(value.shape)}"
 
 
+def _placeholder(variable):
+    """Zeros of `variable`'s (whole) shape and dtype, read without a collective."""
+    dtype = getattr(variable.dtype, "as_numpy_dtype", variable.dtype)
+    return np.zeros(tuple(variable.shape), np.dtype(dtype))
+
+
 def _incompatibility(variables, arrays, path):
     if len(variables) != len(arrays):
         return (f"checkpoint {path} holds {len(arrays)} variables, the model and optimizer have "
                 f"{len(variables)}: it was saved from a different model or optimizer")
     for i, (variable, saved) in enumerate(zip(variables, arrays)):
-        mine = np.asarray(variable)
+        mine = _placeholder(variable)
         if mine.shape != saved.shape or mine.dtype != saved.dtype:
             return (f"checkpoint {path}: variable #{i} ({getattr(variable, 'path', variable.name)}) "
                     f"is {_describe(mine)} here but {_describe(saved)} in the checkpoint")
@@ -224,7 +232,7 @@ class Checkpointer(Callback):
         if problem:
             raise CheckpointError(problem)
         for i, variable in enumerate(variables):
-            value = arrays[i] if rank == 0 else np.asarray(variable)
+            value = arrays[i] if rank == 0 else _placeholder(variable)
             if size > 1:
                 value = collectives.broadcast(tf.constant(value), 0, name=f"tfdist.ckpt.{i}")
             variable.assign(value)
@@ -246,8 +254,9 @@ class Checkpointer(Callback):
             if self._rank_size[0] == 0:  # the loss is global: the same on every rank
                 log.warning("tfdist checkpoint: epoch %d ended with loss %s; not saved", done, loss)
             return
-        rank_state = self._gathered_rank_state()  # a collective: before the chief-only save
-        path = self.save(done, rank_state) if self._rank_size[0] == 0 else None
+        with sharded_saves.gathered_for_save(self.model):  # collectives, every rank: before the chief-only save
+            rank_state = self._gathered_rank_state()
+            path = self.save(done, rank_state) if self._rank_size[0] == 0 else None
         self._saved_at = (done, 0, path)  # on every rank: save_on_preemption's choice must agree
 
     def save_on_preemption(self, epoch: int, batches_done: int) -> str | None:
@@ -262,8 +271,9 @@ class Checkpointer(Callback):
         """
         if self._saved_at and self._saved_at[:2] == (epoch, batches_done):
             return self._saved_at[2]  # an epoch's end this callback has just saved itself
-        rank_state = self._gathered_rank_state()
-        path = self.save(epoch, rank_state, batches_done) if self._rank_size[0] == 0 else None
+        with sharded_saves.gathered_for_save(self.model):
+            rank_state = self._gathered_rank_state()
+            path = self.save(epoch, rank_state, batches_done) if self._rank_size[0] == 0 else None
         self._saved_at = (epoch, batches_done, path)
         return path
 

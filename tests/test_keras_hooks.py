@@ -27,7 +27,7 @@ import tfdist
 from tfdist import _compat
 from tfdist.keras.flavour import keras_module
 try:
-    tfdist.HorovodStrategy(tuning=False, watchdog=False, check_consistency=False)
+    tfdist.HorovodStrategy(tuning=False, watchdog=False, check_consistency=False{args})
 except tfdist.TfdistError as e:
     print("RESULT " + json.dumps({{"error": type(e).__name__, "message": str(e)}}))
     sys.exit(0)
@@ -49,6 +49,13 @@ hooks = {{
     "keras3.fit": keras.Model.fit, "keras3.evaluate": keras.Model.evaluate, "keras3.predict": keras.Model.predict,
     "keras3.fit, under the progress hook": getattr(keras.Model.fit, "tfdist_original", None),
 }}
+optimizer = _compat.keras3_tf_optimizer_class("test")
+for name in ("build", "add_variable_from_reference", "_var_key", "_backend_update_step", "save_own_variables",
+             "load_own_variables"):
+    hooks["keras3.TFOptimizer." + name] = getattr(optimizer, name)
+hooks["keras3.TFOptimizer._clip_gradients, under the sharded hook"] = getattr(
+    optimizer._clip_gradients, "tfdist_original", None)
+hooks["keras3.Variable._serialize_to_tensors"] = keras.Variable._serialize_to_tensors
 if _compat.tf_keras_in_use():
     import tf_keras
     hooks.update({{
@@ -62,13 +69,18 @@ if _compat.tf_keras_in_use():
         "tf_keras.fit, under the progress hook": getattr(tf_keras.Model.fit, "tfdist_original", None),
         "tf_keras.BackupAndRestore._backup": tf_keras.callbacks.BackupAndRestore._backup,
     }})
+    tf_keras_optimizer, tf_keras_loss_scaled = _compat.tf_keras_optimizer_classes("test")
+    for name in ("build", "add_variable_from_reference", "_var_key", "apply_gradients", "_clip_gradients",
+                 "_internal_apply_gradients", "save_own_variables", "load_own_variables"):
+        hooks["tf_keras.Optimizer." + name] = getattr(tf_keras_optimizer, name)
+    hooks["tf_keras.LossScaleOptimizerV3.apply_gradients"] = tf_keras_loss_scaled.apply_gradients
 print("RESULT " + json.dumps({{"hooks": {{k: _compat.hook_of(v) for k, v in hooks.items()}},
                                 "keras_module": keras_module().__name__}}))
 """
 
 
-def run_child(setup="", flavor="keras3"):
-    return json.loads(python_results(CHILD.format(setup=setup), env=flavor_env(flavor))[-1])
+def run_child(setup="", flavor="keras3", args=""):
+    return json.loads(python_results(CHILD.format(setup=setup, args=args), env=flavor_env(flavor))[-1])
 
 
 KERAS3_HOOKS = {
@@ -87,6 +99,21 @@ KERAS3_HOOKS = {
     "keras3.TFOptimizer._clip_gradients": "clipping after the gradient sum",
     "keras3.fit": QUIET, "keras3.evaluate": QUIET, "keras3.predict": QUIET,
     "keras3.fit, under the progress hook": FIT_CALLBACKS,
+    **{f"keras3.TFOptimizer.{name}": None for name in (
+        "build", "add_variable_from_reference", "_var_key", "_backend_update_step", "save_own_variables",
+        "load_own_variables")},
+    "keras3.TFOptimizer._clip_gradients, under the sharded hook": None,
+    "keras3.Variable._serialize_to_tensors": None,
+}
+SHARDED = "sharded optimizer state"
+KERAS3_SHARDED_HOOKS = {
+    **KERAS3_HOOKS,
+    **{f"keras3.TFOptimizer.{name}": SHARDED for name in (
+        "build", "add_variable_from_reference", "_var_key", "_backend_update_step", "save_own_variables",
+        "load_own_variables")},
+    "keras3.TFOptimizer._clip_gradients": SHARDED,
+    "keras3.TFOptimizer._clip_gradients, under the sharded hook": "clipping after the gradient sum",
+    "keras3.Variable._serialize_to_tensors": SHARDED,
 }
 TF_KERAS_HOOKS = {
     "tf_keras.get_metrics_result": METRICS,
@@ -97,12 +124,31 @@ TF_KERAS_HOOKS = {
     "tf_keras.fit": QUIET, "tf_keras.evaluate": QUIET, "tf_keras.predict": QUIET,
     "tf_keras.fit, under the progress hook": FIT_CALLBACKS,
     "tf_keras.BackupAndRestore._backup": PREEMPTION,
+    **{f"tf_keras.Optimizer.{name}": None for name in (
+        "build", "add_variable_from_reference", "_var_key", "apply_gradients", "_clip_gradients",
+        "_internal_apply_gradients", "save_own_variables", "load_own_variables")},
+    "tf_keras.LossScaleOptimizerV3.apply_gradients": None,
 }
 
 
 def test_hooks_in_place_on_keras3():
     result = run_child()
     assert result["hooks"] == KERAS3_HOOKS
+
+
+def test_sharded_state_hooks_in_place_on_keras3():
+    result = run_child(args=", shard_optimizer_state=True")
+    assert result["hooks"] == KERAS3_SHARDED_HOOKS
+
+
+def test_sharded_state_hooks_in_place_on_tf_keras():
+    result = run_child(flavor="tf_keras", args=", shard_optimizer_state=True")
+    sharded = {name: SHARDED for name in TF_KERAS_HOOKS if name.startswith(("tf_keras.Optimizer.",
+                                                                             "tf_keras.LossScaleOptimizerV3"))}
+    assert result["hooks"] == {**KERAS3_SHARDED_HOOKS, "keras3.TFOptimizer._all_reduce_sum_gradients": None,
+                               "keras3.TFOptimizer._clip_gradients": SHARDED,
+                               "keras3.TFOptimizer._clip_gradients, under the sharded hook": None,
+                               **TF_KERAS_HOOKS, **sharded}
 
 
 def test_hooks_in_place_on_tf_keras():
@@ -143,6 +189,13 @@ BROKEN = [
     ("tf_keras BackupAndRestore._backup gone", "tf_keras",
      "import tf_keras\ndel tf_keras.callbacks.BackupAndRestore._backup", PREEMPTION, "tf_keras 2."),
 ]
+
+
+def test_a_sharded_state_hook_whose_target_moved_raises_naming_it():
+    result = run_child("from keras.src.backend.tensorflow.optimizer import TFOptimizer\n"
+                       "TFOptimizer._backend_update_step = None", args=", shard_optimizer_state=True")
+    assert result.get("error") == "KerasHookError", result
+    assert repr(SHARDED) in result["message"] and "_backend_update_step" in result["message"], result
 
 
 @pytest.mark.parametrize("case,flavor,setup,hook,keras_name", BROKEN, ids=[b[0] for b in BROKEN])

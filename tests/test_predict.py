@@ -120,3 +120,29 @@ def test_compression_arguments_are_checked_naming_them(args, named, capsys):
     with pytest.raises(SystemExit):
         predict.main(["--compute_ms", "100", "--gradient_mb", "10", "--bandwidth_gbit", "1", *args])
     assert named in capsys.readouterr().err
+
+
+def test_the_sharded_exchange_sends_an_allreduce_in_two_halves_and_holds_1_nth_of_the_state():
+    link = predict.Link(bandwidth_gbit=8, latency_us=10)
+    assert 2 * link.seconds(100e6, 4, 1, phases=1) == pytest.approx(link.seconds(100e6, 4, 1))
+    rank = predict.Rank(compute_s=1.0, gradient_bytes=100e6)
+    plain = predict.step_time(rank, link, 4, 1, bucket_bytes=0)
+    sharded = predict.sharded_step_time(rank, link, 4, 1, bucket_bytes=0)
+    assert sharded == pytest.approx(plain)  # one collective after backprop: the same bytes, in two halves
+    # each rank runs a quarter of a 100 ms update; the allgather waits for it
+    step, _, comm = predict.sharded_step_time(rank, link, 4, 1, bucket_bytes=0, update_s=0.1)
+    assert step == pytest.approx(1.0 + 0.1 / 4 + comm) and comm == pytest.approx(plain[2])
+    assert predict.sharded_step_time(rank, link, 1) == predict.step_time(rank, link, 1)
+    assert predict.state_bytes(rank, 2, 4, sharded=True) == pytest.approx(3 * 100e6 / 4)  # 2 slots + the slice
+    assert predict.state_bytes(rank, 2, 4, sharded=False) == pytest.approx(2 * 100e6)
+
+
+def test_command_models_both_exchanges_and_refuses_sharded_with_compressors(capsys):
+    assert predict.main(["--compute_ms", "437", "--gradient_mb", "134.1", "--bandwidth_gbit", "1", "--ranks", "2", "4",
+                         "--exchange", "allreduce", "sharded", "--update_ms", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "| buckets of 25 MB, sharded | 4 |" in out and "state MB" in out
+    with pytest.raises(SystemExit):
+        predict.main(["--compute_ms", "100", "--gradient_mb", "10", "--bandwidth_gbit", "1", "--exchange", "sharded",
+                      "--compression", "topk:0.01"])
+    assert "--exchange sharded" in capsys.readouterr().err

@@ -6,23 +6,21 @@ tests/test_keras_hooks.py, which checks every Keras hook) is what to re-check.
 
 Other tfdist modules reach these internals only through the names below:
 
-- TensorFlow (lazy, so that `tfdist-run` never imports TensorFlow): the `tensorflow.python`
-  modules `distribute_utils`, `one_device_strategy` and `input_util`, which `HorovodStrategy` is
-  built from, `distributed_values`, `distributed_values_util` and `saveable_object`, which
-  `tfdist.rank_variables` builds its one-component distributed variables from, and `global_batch_size`; `in_xla_context`, `tf_function_class`, `tf_function_jit_compile` and `tf_function_settings` (which `tfdist.exchange.xla` retraces), `global_seed`, `compute_batch_size`,
-  `onednn_enabled`; private tf.data methods in `dataset_inputs` and `dataset_graph_def`; the
-  saving functions `tfdist.keras.chief_saves` wraps (`tf_saved_model_modules`, `tf_checkpoint_classes`)
-  and a `CheckpointManager`'s private settings (`checkpoint_manager_settings`,
-  `set_manager_latest_checkpoint`).
-  (`HorovodExtended` also overrides `StrategyExtended`'s private methods, `_create_variable`,
-  `_experimental_distribute_dataset`, `_call_for_each_replica`, `_reduce_to`, ...: that is how a
-  `tf.distribute.Strategy` is implemented, and they cannot live anywhere but in its class. Likewise
-  `tfdist.optimizers.lars` subclasses optimizers through each Keras' subclassing API: `_var_key`, ...)
+- TensorFlow (lazy: `tfdist-run` never imports it): the `tensorflow.python` modules
+  `distribute_utils`, `one_device_strategy`, `input_util` (`HorovodStrategy` is built from them),
+  `distributed_values`, `distributed_values_util`, `saveable_object` (`tfdist.rank_variables`'
+  one-component variables), `global_batch_size`; `in_xla_context`, `tf_function_class`,
+  `tf_function_jit_compile`, `tf_function_settings` (`tfdist.exchange.xla` retraces), `global_seed`,
+  `compute_batch_size`, `onednn_enabled`, `rank_local_variable`, `merge_call`; tf.data's private
+  `dataset_inputs`, `dataset_graph_def`; the saves `tfdist.keras.chief_saves` wraps and a
+  `CheckpointManager`'s private settings. (`HorovodExtended` overrides `StrategyExtended`'s private
+  methods, as every `tf.distribute.Strategy` must; `tfdist.optimizers.lars` subclasses through each
+  Keras' API: `_var_key`, ...)
 - Keras: the classes tfdist patches (found through public names where one exists), the private
-  methods it patches (`KERAS3_SAVE_MODEL`, `TF_KERAS_SUPPORTED_STRATEGIES`), `patch_method`, which
-  installs a hook or raises `KerasHookError` naming the Keras version and the hook, and private
-  optimizer state (`optimizer_learning_rate`, `optimizer_built`). Where `fit` resumes and what
-  `BackupAndRestore` records are in `tfdist._compat_state`.
+  methods it patches (`KERAS3_SAVE_MODEL`, `TF_KERAS_SUPPORTED_STRATEGIES`), `patch_method` (raises
+  `KerasHookError` naming the Keras version and the hook), `has_hook`, and private optimizer state
+  (`optimizer_learning_rate`, `optimizer_built`). Where `fit` resumes and what `BackupAndRestore`
+  records are in `tfdist._compat_state`.
 - Horovod: its rendezvous HTTP server and slot plan (`horovod.runner`), in `rendezvous_classes`.
 """
 
@@ -50,8 +48,7 @@ _TF_MODULES = {
 }
 
 
-def __getattr__(name):
-    # `_compat.distribute_lib` etc. import TensorFlow only when first used.
+def __getattr__(name):  # `_compat.distribute_lib` etc. import TensorFlow only when first used
     if name in _TF_MODULES:
         module = importlib.import_module(_TF_MODULES[name])
         globals()[name] = module
@@ -60,21 +57,16 @@ def __getattr__(name):
 
 
 def rank_local_variable(initial_value, name):
-    """A plain variable of this rank alone: created eagerly (also while a `tf.function` traces),
-    and past every variable creator, so no strategy broadcasts or wraps it (gradient
-    compression's error-feedback state). `ResourceVariable(...)` skips the creator stack that
-    `tf.Variable(...)` runs."""
-    import tensorflow as tf
-
-    with tf.init_scope():
-        return __getattr__("resource_variable_ops").ResourceVariable(
-            initial_value, trainable=False, name=name)
+    """A plain variable of this rank alone, created eagerly (also while a `tf.function` traces) and
+    past every variable creator (`ResourceVariable(...)` skips the stack `tf.Variable` runs), so no
+    strategy broadcasts or wraps it: compression's error feedback, sharded optimizer slices."""
+    with __import__("tensorflow").init_scope():
+        return __getattr__("resource_variable_ops").ResourceVariable(initial_value, trainable=False, name=name)
 
 
 def in_xla_context(graph):
     """Whether `graph` (or a graph it is nested in) is being compiled with XLA."""
     from tensorflow.python.ops import control_flow_util
-
     return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
@@ -227,6 +219,14 @@ def tf_keras_model_class(hook):
     return _import("tf_keras", hook, "tf_keras").Model
 
 
+def tf_keras_optimizer_classes(hook):
+    """tf-keras' (`Optimizer`, `LossScaleOptimizerV3`): its optimizers' base and their loss-scaling wrapper."""
+    module = _import("tf_keras.src.mixed_precision.loss_scale_optimizer", hook, "tf_keras")
+    if not isinstance(getattr(module, "LossScaleOptimizerV3", None), type):
+        raise hook_error(hook, "tf-keras has no LossScaleOptimizerV3", "tf_keras")
+    return _import("tf_keras", hook, "tf_keras").optimizers.Optimizer, module.LossScaleOptimizerV3
+
+
 def keras3_model_class(hook):
     """The public `keras.Model` (Keras 3), whose `save` and `save_weights` tfdist wraps."""
     return _import("keras", hook, "keras3").Model
@@ -286,6 +286,25 @@ def hook_of(method):
     return getattr(method, "tfdist_hook", None)
 
 
+def has_hook(method, hook):
+    """Whether tfdist's `hook` is `method` or a method it wraps (hooks installed over each other)."""
+    while method is not None and hook_of(method) != hook:
+        method = getattr(method, "tfdist_original", None)
+    return method is not None
+
+
+def keras3_tf_variable_class(hook):
+    """Keras 3's TensorFlow `keras.Variable`; tf.train.Checkpoint calls its `_serialize_to_tensors`."""
+    cls = _import("keras", hook, "keras3").Variable
+    require_methods(cls, ["_serialize_to_tensors", "_restore_from_tensors"], hook)
+    return cls
+
+
+def merge_call(fn, strategy, *args):
+    """`fn(strategy, *args)` in cross-replica context, as Keras' TF optimizer runs its updates."""
+    return __import__("tensorflow").__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)
+
+
 # --- Keras: private optimizer and model state -----------------------------------------------------
 
 def optimizer_learning_rate(optimizer):
@@ -308,12 +327,10 @@ def rendezvous_classes():
     return SlotInfo, RendezvousHandler, RendezvousHTTPServer
 
 
-
 # --- Keras: BatchNormalization (tfdist.keras.fused_batchnorm) -------------------------------------
 
-# What the fused path reads of a Keras 3 BatchNormalization, beyond its weights: its constructor
-# arguments (kept as attributes of the same names) and the methods it replaces or must not skip.
-# `renorm` is newer than Keras 3.12 (what pip gives Python 3.10): read as False where it is absent.
+# What the fused path reads of a Keras 3 BatchNormalization besides its weights: constructor arguments
+# (kept as same-named attributes). `renorm` (not in Keras 3.12, Python 3.10's) reads as False if absent.
 KERAS3_BATCHNORM_ARGS = ("axis", "momentum", "epsilon", "center", "scale", "synchronized")
 
 

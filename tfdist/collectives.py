@@ -1,12 +1,10 @@
-"""Horovod collectives behind a small interface: init, allreduce, adasum, broadcast, allgather.
+"""Horovod collectives behind a small interface: init, allreduce, adasum, broadcast, allgather, reducescatter.
 
 Everything in tfdist (strategy, callbacks, pipelines) that talks to other ranks goes through this
 module, so the rest of the package never imports Horovod directly and a missing or half-built
 Horovod fails in one place with one clear message. `process_rank()` / `process_size()` and the
 object exchanges (`broadcast_object`, `allgather_object`: JSON-able values of any size) also
 work in a single process without Horovod initialised, where they are the identity.
-
-Example:
 
 ```python
 from tfdist import collectives
@@ -16,7 +14,7 @@ config = collectives.broadcast_object({"lr": 0.1} if collectives.rank() == 0 els
 ```
 
 In the TensorFlow profiler's trace each collective is named (`named()`): its ops sit under
-`tfdist_allreduce/`, `tfdist_adasum/`, `tfdist_broadcast/`, `tfdist_allgather/` or the scope its
+`tfdist_allreduce/`, `tfdist_adasum/`, `tfdist_broadcast/`, `tfdist_allgather/`, `tfdist_reducescatter/` or the scope its
 caller gives (`tfdist_metric_sync`, `tfdist_loss_scale_agreement`). `start_timeline()` /
 `stop_timeline()` record Horovod's own timeline for chosen steps (callbacks.ProfileSteps). Run
 eagerly, each collective is also marked for the hang detector (`tfdist.faults.hang`).
@@ -189,9 +187,7 @@ def graph_name(kind, name=None):
     unique by TensorFlow in trace order) is the same on every rank that traced the same code.
     `kind` is Horovod's op name ("HorovodAllgather"), so profiles and timelines still say Horovod.
     """
-    if name is not None or tf.executing_eagerly():
-        return name
-    return kind
+    return name if name is not None or tf.executing_eagerly() else kind
 
 
 def _op(name):
@@ -261,10 +257,6 @@ def adasum_refusal(size=None):
 def adasum(tensors, num_replicas, compression=None, scope="tfdist_adasum"):
     """Combine gradients across ranks with Horovod's Adasum, one tensor at a time.
 
-    ```python
-    grads = collectives.adasum(grads, strategy.num_replicas_in_sync)   # under mpirun, 2^k ranks
-    ```
-
     For two ranks' gradients a, b of one tensor: (1 - a.b/(2|a|^2)) a + (1 - a.b/(2|b|^2)) b
     (the sum when they are orthogonal, a itself when a == b); more ranks combine pairwise in a
     tree. Keras divides each replica's loss by `num_replicas` before differentiating, and Adasum
@@ -298,13 +290,27 @@ def allgather(tensor, name=None, scope="tfdist_allgather"):
         return horovod().allgather(tensor, name=graph_name("HorovodAllgather", name))
 
 
-def transport(device):
-    """How this rank's collectives travel, as Horovod reports it, for the tuning line.
+def grouped_allgather(tensors, name=None, scope="tfdist_allgather"):
+    """Every rank's `tensors`, each concatenated on its first dimension: one grouped collective."""
+    with named(scope, "allgather", name):
+        return horovod().grouped_allgather(list(tensors), name=graph_name("HorovodGroupedAllgather", name))
 
-    "collectives NCCL 2.32.3 on GPU (controller Gloo)"; on a GPU with a Horovod built without
-    NCCL, "collectives Gloo through host memory (Horovod built without NCCL)"; on CPU,
-    "collectives Gloo on CPU".
-    """
+
+def reducescatter(tensors, name=None, compression=None, scope="tfdist_reducescatter"):
+    """Sum `tensors` (one dtype; first dimensions equal on every rank, divisible by N) across ranks;
+    each rank keeps its 1/N of the first dimension, in rank order. One (grouped) collective; the
+    grouped form takes no name (Horovod names it by its inputs)."""
+    hvd, extra = horovod(), {} if compression is None else {"compression": compression}
+    with named(scope, "reducescatter", name):
+        if len(tensors) == 1:
+            return [hvd.reducescatter(tensors[0], op=hvd.Sum, name=graph_name("HorovodReducescatter", name), **extra)]
+        return hvd.grouped_reducescatter(list(tensors), op=hvd.Sum, **extra)
+
+
+def transport(device):
+    """How this rank's collectives travel, for the tuning line: "collectives NCCL 2.32.3 on GPU
+    (controller Gloo)", "collectives Gloo through host memory (Horovod built without NCCL)" on a
+    GPU with a Horovod built without NCCL, "collectives Gloo on CPU"."""
     hvd = horovod()
     controller = "MPI" if hvd.mpi_enabled() else "Gloo" if hvd.gloo_enabled() else "none"
     if "gpu" not in str(device).lower():
@@ -316,12 +322,9 @@ def transport(device):
 
 
 def timeline_mode():
-    """How this job can record Horovod's timeline, from `HOROVOD_TIMELINE` as `hvd.init()` read it.
-
-    "dynamic" (`HOROVOD_TIMELINE=DYNAMIC`): nothing is recorded until `start_timeline()`.
-    "file": a timeline of the whole job is being written to that path. None: unset, and Horovod
-    refuses `start_timeline()` for the rest of the process.
-    """
+    """How this job can record Horovod's timeline, from `HOROVOD_TIMELINE` as `hvd.init()` read it:
+    "dynamic" (`HOROVOD_TIMELINE=DYNAMIC`): nothing is recorded until `start_timeline()`; "file":
+    a timeline of the whole job goes to that path; None: unset, Horovod refuses `start_timeline()`."""
     value = os.environ.get("HOROVOD_TIMELINE", "")
     if not value:
         return None

@@ -63,3 +63,11 @@ class PreemptionError(TfdistError):
     A rank did not acknowledge the stop step, or learned of it too late; or
     `TFDIST_PREEMPTION_SIGNALS` names something that is not a signal.
     """
+
+
+class ShardedStateError(TfdistError, ValueError):
+    """`HorovodStrategy(shard_optimizer_state=True)` cannot do what was asked, exactly.
+
+    An optimizer or option it cannot shard (named in the message), or a save of sharded state
+    that not every rank makes.
+    """

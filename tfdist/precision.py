@@ -106,13 +106,15 @@ def install():
     """Make Keras 3's LossScaleOptimizer all-reduce before its finite check, under HorovodStrategy.
 
     With gradient accumulation (reduced once per k steps) it reduces as Keras does and agrees on
-    the finite flag with one tiny allreduce instead. Raises `KerasHookError` (naming the Keras
+    the finite flag with one tiny allreduce instead; so it does with sharded optimizer state, where
+    it reduce-scatters first and each rank checks its slice. Raises `KerasHookError` (naming the Keras
     version) if the class, its `_tf_apply` or `check_finite` moved.
     """
     global _installed
     if _installed:
         return
     from tfdist.exchange import gradients as gradient_exchange
+    from tfdist.exchange import sharded
 
     def wrap_check(local_check):
         def check_finite(self, grads):
@@ -131,6 +133,16 @@ def install():
         def _tf_apply(self, grads, trainable_variables=None):
             if not _under_horovod() or getattr(self.inner_optimizer, "gradient_accumulation_steps", None):
                 return original(self, grads, trainable_variables)
+            if sharded.state_of(self.inner_optimizer) is not None:
+                # Sharded state: each rank checks its slice of the summed gradients; check_finite's
+                # agreement makes it one decision for every slice.
+                present = [i for i, g in enumerate(grads) if g is not None]
+                scattered = tf.distribute.get_strategy().extended.reduce_scatter([grads[i] for i in present])
+                slices = [None] * len(grads)
+                for i, g in zip(present, scattered):
+                    slices[i] = g
+                with sharded.scattered_already():
+                    return original(self, slices, trainable_variables)
             variables = list(trainable_variables or self._trainable_variables)
             # The inner optimizer's own gradient sum (so op="adasum" and compression apply),
             # started as each gradient exists; the inner apply then takes the sum as it is.

@@ -115,6 +115,13 @@ def _define_mirrored_class():
         def __bool__(self):
             return bool(self.read_value())
 
+        def _gather_saveables_for_checkpoint(self):
+            # A tf-keras optimizer slot that holds this rank's slice (shard_optimizer_state=True)
+            # is saved whole and restored as the slice.
+            from tfdist.keras import sharded_saves
+
+            return sharded_saves.saveable_factories(self) or super()._gather_saveables_for_checkpoint()
+
     return RankMirroredVariable
 
 

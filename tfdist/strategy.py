@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import collectives, input_contract
+from tfdist import _compat, collectives, input_contract
 from tfdist.faults import consistency
 from tfdist.faults import hang_detector
 from tfdist.keras import flavour as keras_flavour
@@ -41,6 +41,7 @@ from tfdist.exchange import gradients as gradient_exchange
 from tfdist.keras import callback_writes as keras_callbacks
 from tfdist.keras import chief_saves, fit_callbacks, model_build, recognise
 from tfdist.keras import preemption as keras_preemption
+from tfdist.keras import sharded_optimizer
 from tfdist.keras import metrics as keras_metrics
 from tfdist.keras import predictions as keras_predict
 from tfdist.keras import progress as quiet_ranks
@@ -126,6 +127,15 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         fused_batchnorm: on Keras 3, run 4-D `BatchNormalization` layers with TensorFlow's fused
             kernel, as tf-keras does (`tfdist.keras.fused_batchnorm`: same results, falls back
             where it would differ); False leaves Keras' own implementation.
+        shard_optimizer_state: each rank keeps the optimizer state (momentum, Adam's moments) of
+            its 1/N slice of every variable (ZeRO stages 1 and 2): gradients are reduce-scattered,
+            each rank updates its slices, the slices are all-gathered into the whole weights (the
+            bytes of an allreduce). Results equal the unsharded strategy's (1e-5); saves hold the
+            whole state and load on any rank count (every rank must make a save that holds the
+            optimizer). Keras 3 and tf-keras; optimizers whose update is elementwise (SGD, Adam,
+            AdamW, RMSprop, ..., tfdist's LARS and LARC), others raise `ShardedStateError`
+            naming them; refused with `op="adasum"` or PowerSGD/top-k compression
+            (docs/COMMUNICATION.md).
 
     Raises:
         ValueError: an argument it cannot use, named in the message; checked before Horovod
@@ -153,7 +163,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
                  check_variables: bool = True, precision: str | None = None,
                  tuning: bool | str | dict[str, Any] = True, horovod: dict[str, Any] | None = None,
                  watchdog: bool | float = True, check_consistency: bool = True, fingerprint: str | None = None,
-                 fused_batchnorm: bool = True, bucket_mb: float | None = None) -> None:
+                 fused_batchnorm: bool = True, bucket_mb: float | None = None,
+                 shard_optimizer_state: bool = False) -> None:
         if not legacy_requested():  # before anything starts: Keras 2 and 3.4 lack hooks installed below
             refusal = versions.keras_refusal(tf.__version__, keras_flavour.keras_module().__version__)
             if refusal:
@@ -162,7 +173,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             device, batch_convention=batch_convention, compression=compression, op=op,
             check_variables=check_variables, precision=precision, tuning=tuning, horovod=horovod,
             watchdog=watchdog, check_consistency=check_consistency, fingerprint=fingerprint,
-            fused_batchnorm=fused_batchnorm, bucket_mb=bucket_mb)
+            fused_batchnorm=fused_batchnorm, bucket_mb=bucket_mb, shard_optimizer_state=shard_optimizer_state)
         self.options = options
         tuning_lib.set_horovod_knobs(options.horovod)
         if options.tuning == "measure":
@@ -212,6 +223,12 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
 
             fused_batchnorm_hook.install()
         precision_lib.install()
+        if options.shard_optimizer_state:
+            sharded_optimizer.install()  # Keras 3 optimizers keep state for their rank's slices (2+ ranks)
+            if _compat.tf_keras_in_use():
+                from tfdist.keras import sharded_tf_keras
+
+                sharded_tf_keras.install()  # and tf-keras
         if options.precision is not None:
             precision_lib.set_policy(options.precision)
         if self.tuning_plan is not None:

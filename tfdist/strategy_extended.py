@@ -23,6 +23,7 @@ from tfdist.faults import consistency
 from tfdist.cluster_resolver import HorovodClusterResolver
 from tfdist.errors import RankMismatchError
 from tfdist.exchange import gradients as gradient_exchange
+from tfdist.exchange import sharded
 from tfdist.keras import chief_saves, step_outputs
 from tfdist.strategy_options import StrategyOptions
 
@@ -43,6 +44,7 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         self._compression = options.horovod_compression
         self._compressor = options.compressor
         self._bucket_bytes = options.bucket_bytes
+        self._shard_optimizer_state = options.shard_optimizer_state
         self._check_variables = options.check_variables
         self.batch_convention = options.batch_convention
         # As MWMS: ranks step through a distributed dataset together, and a rank whose shard ended
@@ -233,6 +235,19 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
             bucket_bytes=self._bucket_bytes,
             adasum=self._adasum and gradient_sum, variables=variables,
             compressor=self._compressor if variables is not None else None)
+
+    @property
+    def shard_optimizer_state(self):
+        """Whether Keras optimizers built under this strategy keep state for this rank's slices only."""
+        return self._shard_optimizer_state and collectives.size() > 1
+
+    def reduce_scatter(self, grads):
+        """Each gradient summed across ranks, as this rank's flat slice, on the gradient schedule."""
+        return sharded.reduce_scatter(grads, self._bucket_bytes, self._compression)
+
+    def allgather_slices(self, slices):
+        """Every rank's slices of each variable, flat and padded, on the gradient schedule."""
+        return sharded.allgather(slices, self._bucket_bytes)
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         value = _compat.distribute_utils.select_replica(0, value)

@@ -50,6 +50,7 @@ class StrategyOptions:
         fingerprint: a string every rank must agree on, or None.
         fused_batchnorm: run Keras 3 BatchNormalization on TensorFlow's fused kernel.
         bucket_bytes: None (each gradient as it is ready), 0 (one collective) or a bucket size in bytes.
+        shard_optimizer_state: each rank keeps the optimizer state of its slice of every variable.
     """
 
     device: str | None
@@ -66,6 +67,7 @@ class StrategyOptions:
     fingerprint: str | None
     fused_batchnorm: bool
     bucket_bytes: int | None
+    shard_optimizer_state: bool = False
 
     @property
     def splits_global_batches(self) -> bool:
@@ -78,7 +80,8 @@ class StrategyOptions:
                        precision: str | None = None, tuning: bool | str | dict = True,
                        horovod: dict | None = None, watchdog: bool | float = True,
                        check_consistency: bool = True, fingerprint: str | None = None,
-                       fused_batchnorm: bool = True, bucket_mb: float | None = None) -> StrategyOptions:
+                       fused_batchnorm: bool = True, bucket_mb: float | None = None,
+                       shard_optimizer_state: bool = False) -> StrategyOptions:
         """Check `HorovodStrategy`'s arguments (same names and defaults) and convert them.
 
         Args:
@@ -95,6 +98,7 @@ class StrategyOptions:
             fingerprint: see `HorovodStrategy`.
             fused_batchnorm: see `HorovodStrategy`.
             bucket_mb: see `HorovodStrategy`.
+            shard_optimizer_state: see `HorovodStrategy`.
 
         Returns:
             The validated options.
@@ -141,6 +145,13 @@ class StrategyOptions:
                                       or bucket_mb < 0):
             raise ValueError(f"bucket_mb={bucket_mb!r}: expected None (each gradient as it is ready), 0 (one "
                              "collective) or a size in MB")
+        if not isinstance(shard_optimizer_state, bool):
+            raise TypeError(f"shard_optimizer_state={shard_optimizer_state!r}: expected True or False")
+        if shard_optimizer_state and (op == "adasum" or compressor is not None):
+            what = "op='adasum'" if op == "adasum" else f"compression={compressor.describe()!r}"
+            raise ValueError(f"shard_optimizer_state=True with {what}: the sharded exchange reduce-scatters "
+                             "the summed gradients, which Adasum and low-rank or sparse compression do not "
+                             "produce; use one or the other (compression='fp16' works with it)")
         return cls(
             device=device, batch_convention=batch_convention, horovod_compression=horovod_compression,
             compressor=compressor, op=op, check_variables=bool(check_variables), precision=precision,
@@ -148,6 +159,7 @@ class StrategyOptions:
             check_consistency=bool(check_consistency), fingerprint=fingerprint,
             fused_batchnorm=bool(fused_batchnorm),
             bucket_bytes=None if bucket_mb is None else int(bucket_mb * MB),
+            shard_optimizer_state=shard_optimizer_state,
         )
 
 

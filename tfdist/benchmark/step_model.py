@@ -28,6 +28,13 @@ shapes (`--model resnet50` or `--shapes 3072x2048 2048 ...`; `tfdist.exchange.co
 allreduce-equivalent bytes (top-k's allgather grows with the rank count), and its compute
 (flops / `--compress_gflops`) is added to the step, unhidden.
 
+Sharded optimizer state (`--exchange allreduce sharded`, `HorovodStrategy(shard_optimizer_state=True)`):
+each bucket is a ring reduce-scatter when ready and a ring allgather once its slices are updated
+(the two halves of the allreduce, in the link's order of readiness); each rank runs 1/N of the
+optimizer update (`--update_ms`, its share of `--compute_ms`); the state MB column is the
+optimizer state per rank (`--state_slots` copies of the gradient, 1/N of them plus the working
+copy of the slice when sharded).
+
 Calibration: `--calibrate_one_collective_ms S --calibrate_ranks N` replaces the link's nominal
 bandwidth by the one that makes the one-collective prediction at N ranks equal a measured step S
 (`effective_bandwidth`). It folds in what the nominal rate leaves out (per-collective overhead,
@@ -38,6 +45,7 @@ protocol and copying costs, compute slowed by communication sharing its cores). 
 
 import argparse
 import dataclasses
+import heapq
 import math
 import sys
 
@@ -52,13 +60,14 @@ class Link:
     latency_us: float
     intra_node_gbit: float = None
 
-    def seconds(self, nbytes, ranks, ranks_per_node):
-        """One ring allreduce of `nbytes` over `ranks` ranks."""
+    def seconds(self, nbytes, ranks, ranks_per_node, phases=2):
+        """One ring allreduce of `nbytes` over `ranks` ranks (`phases=1`: a ring reduce-scatter or
+        allgather of the same tensor, half of it)."""
         if ranks <= 1:
             return 0.0
         nodes = math.ceil(ranks / max(ranks_per_node, 1))
         gbit = self.bandwidth_gbit if nodes > 1 else (self.intra_node_gbit or 20 * self.bandwidth_gbit)
-        hops = 2 * (ranks - 1)
+        hops = phases * (ranks - 1)
         return hops * self.latency_us * 1e-6 + hops / ranks * nbytes * 8 / (gbit * 1e9)
 
 
@@ -95,6 +104,36 @@ def step_time(rank, link, ranks, ranks_per_node=1, bucket_bytes=0):
     return step, step - rank.compute_s, busy
 
 
+def sharded_step_time(rank, link, ranks, ranks_per_node=1, bucket_bytes=0, update_s=0.0):
+    """`step_time` for `shard_optimizer_state=True`: each bucket is reduce-scattered when ready and
+    all-gathered once its slices are updated; the link sends one transfer at a time, oldest ready
+    first. Each rank updates 1/N of the variables: `update_s` (the optimizer update's share of
+    the one-rank step) shrinks to update_s / N."""
+    if ranks <= 1:
+        return step_time(rank, link, ranks, ranks_per_node, bucket_bytes)
+    compute = rank.compute_s - update_s * (1 - 1 / ranks)
+    pending = [(ready, 0, i, size) for i, (ready, size) in enumerate(bucket_schedule(rank, bucket_bytes))]
+    link_free, busy, last = 0.0, 0.0, 0.0
+    heapq.heapify(pending)
+    while pending:
+        ready, phase, i, size = heapq.heappop(pending)
+        cost = link.seconds(size, ranks, ranks_per_node, phases=1)
+        link_free = max(ready, link_free) + cost
+        busy += cost
+        if phase == 0:  # its allgather follows its update (1/N of the bucket's share of the update)
+            update = update_s / ranks * size / rank.gradient_bytes
+            heapq.heappush(pending, (link_free + update, 1, i, size))
+        last = max(last, link_free)
+    step = max(compute, last)
+    return step, step - compute, busy
+
+
+def state_bytes(rank, slots, ranks, sharded):
+    """Optimizer state bytes per rank: `slots` copies of the gradient's size (Adam: 2), 1/N of
+    it sharded (plus the working copy of this rank's slice of the weights)."""
+    return rank.gradient_bytes * (slots + 1) / ranks if sharded and ranks > 1 else rank.gradient_bytes * slots
+
+
 def effective_bandwidth(rank, link, measured_step_s, ranks, ranks_per_node=1):
     """Gbit/s at which one collective after backprop takes `measured_step_s` per step at `ranks`."""
     hops = 2 * (ranks - 1)
@@ -123,14 +162,17 @@ def _entries(shape):
 
 
 def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, compression="none", shapes=None,
-          gflops=20.0):
+          gflops=20.0, sharded=False, update_s=0.0, slots=2):
     rows = []
     for n in ranks_list:
         this, wire, extra = compressed(rank, shapes, compression, n, gflops)
-        step, exposed, busy = step_time(this, link, n, min(ranks_per_node, n), bucket_bytes)
-        rows.append({"ranks": n, "step_ms": step * 1e3, "exposed_ms": (step - rank.compute_s) * 1e3,
+        if sharded:
+            step, exposed, busy = sharded_step_time(this, link, n, min(ranks_per_node, n), bucket_bytes, update_s)
+        else:
+            step, exposed, busy = step_time(this, link, n, min(ranks_per_node, n), bucket_bytes)
+        rows.append({"ranks": n, "step_ms": step * 1e3, "exposed_ms": exposed * 1e3,
                      "comm_ms": busy * 1e3, "efficiency": rank.compute_s / step, "wire_mb": wire / MB,
-                     "compress_ms": extra * 1e3,
+                     "compress_ms": extra * 1e3, "state_mb": state_bytes(rank, slots, n, sharded) / MB,
                      "images_per_sec": n * batch_per_rank / step if batch_per_rank else None})
     return rows
 
@@ -189,6 +231,12 @@ def main(argv=None):
     parser.add_argument("--model", help="take the gradient shapes from this tfdist-benchmark model (resnet50, mlp:wide_mlp)")
     parser.add_argument("--compress_gflops", type=argtypes.positive_float, default=20.0,
                         help="the rate a rank runs a compressor's arithmetic at (default 20)")
+    parser.add_argument("--exchange", nargs="+", choices=("allreduce", "sharded"), default=["allreduce"],
+                        help="sharded: shard_optimizer_state=True (reduce-scatter, update 1/N, allgather)")
+    parser.add_argument("--update_ms", type=argtypes.nonnegative_float, default=0.0,
+                        help="the optimizer update's share of --compute_ms (sharded: each rank does 1/N)")
+    parser.add_argument("--state_slots", type=argtypes.nonnegative_float, default=2,
+                        help="optimizer slots per weight, for the state MB column (Adam 2, momentum 1)")
     args = parser.parse_args(argv)
     if not 0 < args.backward_fraction <= 1:
         parser.error(f"--backward_fraction {args.backward_fraction}: expected a fraction in (0, 1]")
@@ -210,22 +258,29 @@ def main(argv=None):
     link = Link(args.bandwidth_gbit, args.latency_us, args.intra_node_gbit)
     modes = {"one collective": 0, f"buckets of {args.bucket_mb:g} MB": args.bucket_mb * MB} if args.bucket_mb else {
         "one collective": 0}
+    if "sharded" in args.exchange and any(compression_plan.parse(c)[0] in ("powersgd", "topk") for c in args.compression):
+        parser.error("--exchange sharded reduce-scatters the summed gradient: combine it with none or fp16 only")
+    if args.update_ms >= args.compute_ms:
+        parser.error(f"--update_ms {args.update_ms:g}: expected less than --compute_ms")
     results = {}
-    for method in args.compression:
-        for name, size in modes.items():
-            label = name if method == "none" else f"{name}, {method}"
-            results[label] = table(rank, link, args.ranks, args.ranks_per_node, size, args.batch_per_rank,
-                                   method, shapes, args.compress_gflops)
+    for exchange in args.exchange:
+        for method in args.compression:
+            for name, size in modes.items():
+                label = (name if method == "none" else f"{name}, {method}") + (", sharded" if exchange == "sharded" else "")
+                results[label] = table(rank, link, args.ranks, args.ranks_per_node, size, args.batch_per_rank,
+                                       method, shapes, args.compress_gflops, exchange == "sharded",
+                                       args.update_ms / 1e3, args.state_slots)
     print(f"{args.compute_ms:g} ms compute, {args.gradient_mb:g} MB gradients, {args.bandwidth_gbit:g} Gbit/s, "
           f"{args.latency_us:g} us, {args.ranks_per_node} rank(s) per node")
     print("| schedule | ranks | step ms | exposed comm ms | comm ms | efficiency | images/s | wire MB | "
-          "compress ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "compress ms | state MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, rows in results.items():
         for r in rows:
             images = f"{r['images_per_sec']:.1f}" if r["images_per_sec"] else "-"
             print(f"| {name} | {r['ranks']} | {r['step_ms']:.1f} | {r['exposed_ms']:.1f} | {r['comm_ms']:.1f} | "
-                  f"{r['efficiency']:.1%} | {images} | {r['wire_mb']:.2f} | {r['compress_ms']:.1f} |")
+                  f"{r['efficiency']:.1%} | {images} | {r['wire_mb']:.2f} | {r['compress_ms']:.1f} | "
+                  f"{r['state_mb']:.1f} |")
     if args.png:
         plot(results, args)
     return 0

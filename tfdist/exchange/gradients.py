@@ -122,7 +122,7 @@ def install_gradient_marker():
     if legacy_requested():
         return  # tf-keras' exchange is recognised by its variable destinations
     cls = _compat.keras3_tf_optimizer_class(GRADIENT_HOOK)
-    if _compat.hook_of(vars(cls).get("_all_reduce_sum_gradients")) == GRADIENT_HOOK:
+    if _compat.has_hook(vars(cls).get("_all_reduce_sum_gradients"), GRADIENT_HOOK):
         return
 
     def wrap(original):
@@ -161,7 +161,7 @@ def install_clipping_after_sum():
     if legacy_requested():
         return  # tf-keras clips after its aggregation already
     cls = _compat.keras3_tf_optimizer_class(CLIP_HOOK)
-    if _compat.hook_of(vars(cls).get("_clip_gradients")) == CLIP_HOOK:
+    if _compat.has_hook(vars(cls).get("_clip_gradients"), CLIP_HOOK):
         return
 
     def wrap(original):

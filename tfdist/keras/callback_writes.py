@@ -27,7 +27,7 @@ import functools
 import os
 
 from tfdist import _compat
-from tfdist.keras import recognise
+from tfdist.keras import recognise, sharded_saves
 from tfdist.keras.chief_saves import chief_only_saves
 from tfdist.keras.recognise import non_chief_rank, scratch_dir  # noqa: F401  (used by the wrappers)
 
@@ -53,7 +53,7 @@ def install():
         _compat.require_methods(tf_keras_backup, ["on_train_begin"], HOOK, "tf_keras")
         _compat.require_methods(tf_keras_csv, ["on_train_begin"], HOOK, "tf_keras")
     _compat.patch_method(ModelCheckpoint, save_model, _folder_first, HOOK)
-    _compat.patch_method(BackupAndRestore, save_model, _chief_only, HOOK)
+    _compat.patch_method(BackupAndRestore, save_model, lambda m: _gathered_first(_chief_only(m)), HOOK)
     _compat.patch_method(BackupAndRestore, "on_train_end", _chief_only, HOOK)
     _compat.patch_method(TensorBoard, "set_model", lambda m: _before(m, _log_to_scratch, model_arg=True), HOOK)
     _compat.patch_method(CSVLogger, "on_train_begin", lambda m: _before(m, _csv_to_scratch), HOOK)
@@ -95,6 +95,16 @@ def _before(method, redirect, model_arg=False):
         if non_chief_rank(model) is not None:
             redirect(self, model)
         return method(self, *args, **kwargs)
+
+    return wrapped
+
+
+def _gathered_first(method):
+    # Every rank gathers sharded optimizer state (a collective) before the chief saves it whole.
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with sharded_saves.gathered_for_save(self.model):
+            return method(self, *args, **kwargs)
 
     return wrapped
 

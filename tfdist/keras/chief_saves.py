@@ -44,7 +44,7 @@ import tensorflow as tf
 from tfdist import _compat, collectives, rank_variables
 from tfdist.faults import durable
 from tfdist.keras import recognise
-from tfdist.keras import save_notices
+from tfdist.keras import save_notices, sharded_saves
 from tfdist.errors import SaveSyncError
 from tfdist.faults.watchdog_support import describe_exception, host_name
 
@@ -174,12 +174,19 @@ def _hooked(original, what, param, classify):
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         _calls.depth = 1
+        chief_only = getattr(_calls, "chief_only", 0)
         try:
-            with rank_variables.local_reads():
+            # Sharded optimizer state is gathered on every rank first (a collective), so the
+            # chief writes it whole; a chief-only save cannot gather (sharded_saves says so).
+            roots = [bound.arguments.get(name) for name in ("self", "obj")]
+            if what == "model.save" and _suffix(bound.arguments.get("filepath"), (".h5", ".hdf5")) and \
+                    bound.arguments.get("include_optimizer", True):
+                sharded_saves.refuse_hdf5(roots)
+            with sharded_saves.gathered_for_save(*roots, gather=not chief_only), rank_variables.local_reads():
                 call = _Call(original, what, param, bound, *classify(bound.arguments))
                 if not isinstance(call.path, (str, os.PathLike)):
                     return call.run()  # e.g. an open h5py.File: nothing to coordinate
-                if getattr(_calls, "chief_only", 0):
+                if chief_only:
                     return call.run_to(call.path) if collectives.rank() == 0 else _write_copy(call)
                 return _chief_save(call) if collectives.rank() == 0 else _other_rank_save(call)
         finally:

@@ -22,7 +22,7 @@ import functools
 import inspect
 
 from tfdist import _compat
-from tfdist.keras import recognise
+from tfdist.keras import recognise, sharded_optimizer
 
 HOOK = "tfdist fit callbacks"
 
@@ -75,6 +75,7 @@ def _with_tfdist_callbacks(method):
     def fit(self, *args, **kwargs):
         if not recognise.is_tfdist_strategy(getattr(self, "distribute_strategy", None)):
             return method(self, *args, **kwargs)
+        sharded_optimizer.check_before_fit(self)  # shard_optimizer_state: an optimizer it cannot shard
         if "callbacks" in kwargs or position is None or len(args) < position:
             kwargs["callbacks"], added = callbacks_for(self, kwargs.get("callbacks"))
         else:

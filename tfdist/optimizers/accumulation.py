@@ -62,7 +62,7 @@ def _accumulating_class(optimizer_class):
 
         _accumulating_classes[optimizer_class] = type(
             f"Accumulating{optimizer_class.__name__}", (_AccumulatingMixin, optimizer_class),
-            {"apply_gradients": apply_gradients},
+            {"apply_gradients": apply_gradients, "tfdist_shardable_inner": optimizer_class},
         )
     return _accumulating_classes[optimizer_class]
 

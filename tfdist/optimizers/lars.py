@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from tfdist.exchange import sharded
 from tfdist.keras.flavour import keras_module
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ DEFAULT_EXCLUDE = ("bias", "beta", "gamma", "batch_norm", "batchnorm", "layer_no
 
 
 def lars_direction(w: tf.Tensor, g: tf.Tensor, weight_decay: tf.Tensor | float, eta: tf.Tensor | float,
-                   epsilon: tf.Tensor | float, adapt: bool) -> tf.Tensor:
+                   epsilon: tf.Tensor | float, adapt: bool, norms: tuple | None = None) -> tf.Tensor:
     """The LARS update direction (before momentum and learning rate) for one variable.
 
     Args:
@@ -53,14 +54,15 @@ def lars_direction(w: tf.Tensor, g: tf.Tensor, weight_decay: tf.Tensor | float, 
         eta: the trust coefficient.
         epsilon: added to the trust ratio's denominator.
         adapt: apply the trust ratio and weight decay; False returns `g`.
+        norms: (||w||, ||g||) of the whole variable when `w` and `g` are one rank's slices of it
+            (`shard_optimizer_state=True`); default: those of `w` and `g`.
 
     Returns:
         `trust * (g + weight_decay * w)` (trust 1 if `w` or `g` is 0), or `g`.
     """
     if not adapt:
         return g
-    w_norm = tf.norm(w)
-    g_norm = tf.norm(g)
+    w_norm, g_norm = norms if norms is not None else (tf.norm(w), tf.norm(g))
     trust = tf.where(
         tf.logical_and(w_norm > 0, g_norm > 0),
         eta * w_norm / (g_norm + weight_decay * w_norm + epsilon),
@@ -76,6 +78,9 @@ def _variable_path(variable):
 class _LarsMixin:
     """Hyperparameters, exclusion and config shared by both Keras flavours' classes."""
 
+    tfdist_shardable = True  # shard_optimizer_state=True: elementwise but for the whole norms,
+    tfdist_whole_norms = True  # which the sharded update sums over the ranks' slices
+
     def _init_lars(self, momentum, weight_decay, eta, epsilon, exclude_from_adaptation):
         self.momentum = float(momentum)
         self.lars_weight_decay = float(weight_decay)
@@ -90,10 +95,10 @@ class _LarsMixin:
 
     def _lars_update(self, gradient, variable, velocity, learning_rate):
         dtype = variable.dtype
-        w = tf.convert_to_tensor(variable)
+        w, g = tf.convert_to_tensor(variable), tf.cast(gradient, dtype)
         direction = lars_direction(
-            w, tf.cast(gradient, dtype), tf.cast(self.lars_weight_decay, dtype),
-            tf.cast(self.eta, dtype), tf.cast(self.epsilon, dtype), self.adapts(variable),
+            w, g, tf.cast(self.lars_weight_decay, dtype), tf.cast(self.eta, dtype), tf.cast(self.epsilon, dtype),
+            self.adapts(variable), sharded.whole_norms(variable, w, g),
         )
         new_velocity = self.momentum * tf.convert_to_tensor(velocity) + tf.cast(learning_rate, dtype) * direction
         velocity.assign(new_velocity)
@@ -222,7 +227,7 @@ class _LarcMixin:
         w = tf.convert_to_tensor(variable)
         g = tf.cast(tf.convert_to_tensor(gradient), dtype)
         wd = tf.cast(self.larc_weight_decay, dtype)
-        w_norm, g_norm = tf.norm(w), tf.norm(g)
+        w_norm, g_norm = sharded.whole_norms(variable, w, g)
         rate = tf.where(
             tf.logical_and(w_norm > 0, g_norm > 0),
             self.trust_coefficient * w_norm / (g_norm + wd * w_norm + self.larc_epsilon),
@@ -247,8 +252,8 @@ def _larc_class(optimizer_class):
                 gradient = self._larc_gradient(gradient, variable, learning_rate)
                 return optimizer_class.update_step(self, gradient, variable, learning_rate)
         _larc_classes[optimizer_class] = type(
-            f"LARC{optimizer_class.__name__}", (_LarcMixin, optimizer_class), {"update_step": update_step}
-        )
+            f"LARC{optimizer_class.__name__}", (_LarcMixin, optimizer_class),
+            {"update_step": update_step, "tfdist_shardable_inner": optimizer_class, "tfdist_whole_norms": True})
     return _larc_classes[optimizer_class]
 
 

@@ -1,0 +1,236 @@
+"""Sharded optimizer state (`HorovodStrategy(shard_optimizer_state=True)`): what each rank owns and the exchange.
+
+Each rank owns a flat slice of every trainable variable (`tfdist.exchange.shard_plan`) and keeps
+the optimizer's state for that slice only. One step: the gradients are reduce-scattered (each
+as backprop produces it, or in buckets, as `bucket_mb` schedules allreduces), clipped with norms
+summed over every rank's slice, applied to this rank's working copy of its slices by the
+optimizer's own update, and the updated slices are all-gathered into the whole variables.
+
+```python
+from tfdist.exchange import sharded
+state = sharded.state_of(optimizer)            # None: this optimizer's state is whole
+print(state.slice_of(variable_key).length)     # the elements of that variable this rank owns
+```
+
+The Keras hooks that route an optimizer through this live in `tfdist.keras.sharded_optimizer`;
+saving whole state in `tfdist.keras.sharded_saves`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist import _compat, collectives
+from tfdist.exchange import gradients as gradient_exchange
+from tfdist.exchange import shard_plan
+
+_local = threading.local()  # .scattered: gradients already reduce-scattered; .norms: {id(copy): norms}
+_states = weakref.WeakKeyDictionary()  # optimizer -> ShardedState
+
+
+class VariableSlice:
+    """One trainable variable as this rank shards it: its shape, slice length and working copy."""
+
+    def __init__(self, variable, ranks, rank):
+        self.variable = variable
+        self.shape = tf.TensorShape(variable.shape)
+        self.dtype = tf.as_dtype(variable.dtype)
+        self.elements = self.shape.num_elements()
+        self.length = shard_plan.slice_length(self.elements, ranks)
+        self.ranks, self.rank = ranks, rank
+        self.path = getattr(variable, "path", None) or variable.name
+        self.copy = None  # this rank's slice of the variable, which the optimizer updates
+
+    def take(self, whole):
+        """This rank's slice (padded with zeros) of `whole`, a tensor or array of the variable's shape."""
+        flat = tf.reshape(tf.convert_to_tensor(whole), [-1])
+        start, stop = shard_plan.owned_range(self.elements, self.ranks, self.rank)
+        mine = flat[start:stop]
+        if stop - start < self.length:  # the padding of the last slices
+            mine = tf.concat([mine, tf.zeros([self.length - (stop - start)], flat.dtype)], 0)
+        return mine
+
+    def whole(self, gathered):
+        """The variable's value from every rank's slices in rank order (padding dropped)."""
+        return tf.reshape(gathered[:self.elements], self.shape)
+
+
+class ShardedState:
+    """What one optimizer shards on this rank: its variables' slices, slots and working copies."""
+
+    def __init__(self, ranks, rank):
+        self.ranks, self.rank = ranks, rank
+        self.slices = {}  # the optimizer's key of a variable -> VariableSlice
+        self.copy_keys = {}  # id(working copy) -> its variable's key
+        self.slot_slices = {}  # id(slot) -> (slot, VariableSlice): slots of shape [length]
+
+    def slice_of(self, key, variable=None):
+        """The VariableSlice of the variable with optimizer key `key` (made from `variable` if new)."""
+        if key not in self.slices:
+            if variable is None:
+                raise KeyError(key)
+            self.slices[key] = VariableSlice(variable, self.ranks, self.rank)
+        return self.slices[key]
+
+    def add_slot(self, slot, variable_slice):
+        self.slot_slices[id(slot)] = (slot, variable_slice)
+
+    def slot_slice(self, slot):
+        """The VariableSlice a sharded slot belongs to, or None for a whole variable."""
+        found = self.slot_slices.get(id(slot))
+        return found[1] if found is not None and found[0] is slot else None
+
+    def working_copy(self, key):
+        """This rank's slice of variable `key` as a variable of its own (made on first use)."""
+        variable_slice = self.slices[key]
+        if variable_slice.copy is None:
+            name = variable_slice.path.replace(":", "_") + "_slice"
+            zeros = np.zeros([variable_slice.length], variable_slice.dtype.as_numpy_dtype)
+            copy = _compat.rank_local_variable(zeros, name)
+            copy.path = variable_slice.path  # what optimizers match exclusion patterns against
+            variable_slice.copy = copy
+            self.copy_keys[id(copy)] = key
+        return variable_slice.copy
+
+    def key_of_copy(self, variable):
+        """The variable key a working copy stands for, or None if `variable` is no working copy."""
+        key = self.copy_keys.get(id(variable))
+        return key if key is not None and self.slices[key].copy is variable else None
+
+
+def start(optimizer, ranks, rank):
+    """Shard `optimizer`'s state across `ranks` ranks from now on; returns its ShardedState."""
+    state = _states.get(optimizer)
+    if state is None:
+        state = _states[optimizer] = ShardedState(ranks, rank)
+    return state
+
+
+def state_of(optimizer):
+    """`optimizer`'s ShardedState, or None when its state is whole."""
+    try:
+        return _states.get(optimizer)
+    except TypeError:  # not weakly referenceable: never sharded
+        return None
+
+
+def all_states():
+    """Every live optimizer's ShardedState, in the order the optimizers were sharded."""
+    return list(_states.items())
+
+
+@contextlib.contextmanager
+def scattered_already():
+    """Inside, gradients reaching a sharded update are this rank's slices already (the loss
+    scaling hook reduce-scatters before its finite check)."""
+    outer, _local.scattered = getattr(_local, "scattered", False), True
+    try:
+        yield
+    finally:
+        _local.scattered = outer
+
+
+def is_scattered_already():
+    return getattr(_local, "scattered", False)
+
+
+def reduce_scatter(grads, bucket_bytes=None, compression=None):
+    """Each gradient summed across ranks, as this rank's flat slice ([length], padded).
+
+    `bucket_bytes` as the allreduce schedule's: None issues each gradient's reduce-scatter the
+    moment it exists, 0 one grouped collective per dtype, else buckets (last layers first).
+    """
+    flat = []
+    for g in grads:
+        g = tf.convert_to_tensor(g)  # tf.IndexedSlices: densified
+        ranks = collectives.size()
+        n = g.shape.num_elements()
+        padding = shard_plan.padded_length(n, ranks) - n
+        g = tf.reshape(g, [-1])
+        flat.append(tf.concat([g, tf.zeros([padding], g.dtype)], 0) if padding else g)
+    return _grouped(flat, bucket_bytes, lambda part: collectives.reducescatter(
+        part, compression=compression, scope="tfdist_sharded_reducescatter"))
+
+
+def allgather(copies, bucket_bytes=None):
+    """Every rank's slices of each variable, concatenated in rank order (flat, padded)."""
+    values = [tf.convert_to_tensor(c) for c in copies]
+    return _grouped(values, bucket_bytes, lambda part: collectives.grouped_allgather(
+        part, scope="tfdist_sharded_allgather"))
+
+
+def _grouped(values, bucket_bytes, collective):
+    if bucket_bytes is None:
+        parts = [[i] for i in reversed(range(len(values)))]
+    elif bucket_bytes:
+        parts = gradient_exchange.buckets(values, bucket_bytes)
+    else:
+        parts = [list(range(len(values)))]
+    out = [None] * len(values)
+    for part in parts:
+        by_dtype = {}
+        for i in part:
+            by_dtype.setdefault(values[i].dtype, []).append(i)
+        for indices in by_dtype.values():
+            for i, result in zip(indices, collective([values[i] for i in indices])):
+                out[i] = result
+    return out
+
+
+def sums_of_squares(tensors, scope="tfdist_sharded_norms"):
+    """Each tensor's sum of squares over every rank's slice: one small allreduce per dtype."""
+    local = [tf.reduce_sum(tf.square(tf.convert_to_tensor(t))) for t in tensors]
+    return collectives.allreduce(local, op="sum", scope=scope) if collectives.size() > 1 else local
+
+
+def clip(slices, clipnorm=None, global_clipnorm=None, clipvalue=None):
+    """Keras' gradient clipping of the whole gradients, applied to this rank's `slices` of them.
+
+    The norms span every rank's slice; the formulas are Keras' own (`clip_by_norm`,
+    `clip_by_global_norm`), so the result is what one process clips.
+    """
+    if clipnorm and clipnorm > 0:
+        out = []
+        for g, l2sum in zip(slices, sums_of_squares(slices)):
+            positive = l2sum > 0
+            l2norm = tf.where(positive, tf.sqrt(tf.where(positive, l2sum, tf.ones_like(l2sum))), l2sum)
+            clip_norm = tf.cast(clipnorm, g.dtype)
+            out.append(g * clip_norm / tf.maximum(l2norm, clip_norm))
+        return out
+    if global_clipnorm and global_clipnorm > 0:
+        squares = sums_of_squares(slices)
+        use_norm = tf.sqrt(tf.add_n([tf.cast(s, tf.float32) for s in squares]))
+        scale = global_clipnorm * tf.minimum(1.0 / use_norm, 1.0 / global_clipnorm) + (use_norm - use_norm)
+        return [g * tf.cast(scale, g.dtype) for g in slices]
+    if clipvalue and clipvalue > 0:
+        return [tf.clip_by_value(g, -tf.cast(clipvalue, g.dtype), tf.cast(clipvalue, g.dtype)) for g in slices]
+    return slices
+
+
+@contextlib.contextmanager
+def whole_norms_known(copies, slices):
+    """Inside, `whole_norms(copy, w, g)` returns the norms of each whole variable and its whole
+    gradient (summed over the ranks' slices in one allreduce), for updates that read them
+    (LARS and LARC's trust ratio)."""
+    squares = sums_of_squares([*copies, *slices])
+    count = len(copies)
+    outer = getattr(_local, "norms", None)
+    _local.norms = {id(c): (tf.sqrt(squares[i]), tf.sqrt(squares[count + i])) for i, c in enumerate(copies)}
+    try:
+        yield
+    finally:
+        _local.norms = outer
+
+
+def whole_norms(variable, w, g):
+    """(||w||, ||g||) of the whole variable and gradient: summed over the ranks' slices inside a
+    sharded update of `variable` (a working copy), else those of `w` and `g` themselves."""
+    known = (getattr(_local, "norms", None) or {}).get(id(variable))
+    if known is not None:
+        return tf.cast(known[0], w.dtype), tf.cast(known[1], w.dtype)
+    return tf.norm(w), tf.norm(g)
