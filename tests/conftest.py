@@ -269,7 +269,20 @@ EXTENDED_TF_KERAS = {
 }
 
 
+# The files that take longest (CI's durations, docs/TESTING.md#ci-time), run first: the two workers
+# of scripts/run_tests.sh take whole files as they come free, so a long file started last would
+# leave the other worker idle at the end.
+LONGEST_FILES_FIRST = ("test_conformance.py", "test_sharded.py", "test_multirank.py", "test_faults.py",
+                       "test_compression.py", "test_benchmark.py", "test_reference_suite.py", "test_slurm.py")
+
+
+def _file_order(item):
+    name = item.path.name
+    return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_file_order)  # stable: each file's own order is kept
     if os.environ.get("TFDIST_EXTENDED") == "1":
         return
     for item in items:
