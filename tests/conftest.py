@@ -269,9 +269,9 @@ EXTENDED_TF_KERAS = {
 }
 
 
-# The files that take longest (CI's durations, docs/TESTING.md#ci-time), run first: the two workers
-# of scripts/run_tests.sh take whole files as they come free, so a long file started last would
-# leave the other worker idle at the end.
+# The files that take longest (CI's durations, docs/TESTING.md#ci-time), run first under pytest-xdist
+# (TFDIST_TEST_WORKERS): the workers take whole files as they come free, so a long file started last
+# would leave the others idle at the end. One process keeps the files' own order.
 LONGEST_FILES_FIRST = ("test_conformance.py", "test_sharded.py", "test_multirank.py", "test_faults.py",
                        "test_compression.py", "test_benchmark.py", "test_reference_suite.py", "test_slurm.py")
 
@@ -282,7 +282,8 @@ def _file_order(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_file_order)  # stable: each file's own order is kept
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_file_order)  # stable: each file's own order is kept
     if os.environ.get("TFDIST_EXTENDED") == "1":
         return
     for item in items:
