@@ -114,7 +114,7 @@ def install():
     variable = _compat.keras3_tf_variable_class(HOOK)
     _compat.patch_method(cls, "build", _wrap_build, HOOK)
     _compat.patch_method(cls, "add_variable_from_reference", _wrap_add_slot, HOOK)
-    _compat.patch_method(cls, "_var_key", _wrap_var_key, HOOK)
+    _compat.patch_method(cls, "_var_key", wrap_var_key, HOOK)
     _compat.patch_method(cls, "_clip_gradients", _wrap_clip, HOOK)
     _compat.patch_method(cls, "_backend_update_step", _wrap_update_step, HOOK)
     _compat.patch_method(cls, "save_own_variables", wrap_save, HOOK)
@@ -160,7 +160,8 @@ def _wrap_add_slot(original):
     return add_variable_from_reference
 
 
-def _wrap_var_key(original):
+def wrap_var_key(original):
+    """`_var_key` that maps a working copy to its variable's key (Keras 3 and tf-keras alike)."""
     def _var_key(self, variable):
         state = sharded.state_of(self)
         key = state.key_of_copy(variable) if state is not None else None

@@ -45,8 +45,8 @@ def install():
                                         "_clip_gradients", "_internal_apply_gradients", "_update_step",
                                         "save_own_variables", "load_own_variables"], HOOK, "tf_keras")
     _compat.require_methods(loss_scaled, ["apply_gradients"], HOOK, "tf_keras")
-    patch = [("build", _wrap_build), ("add_variable_from_reference", _wrap_add_slot), ("_var_key", _wrap_var_key),
-             ("apply_gradients", _wrap_apply), ("_clip_gradients", _wrap_clip),
+    patch = [("build", _wrap_build), ("add_variable_from_reference", _wrap_add_slot),
+             ("_var_key", sharded_optimizer.wrap_var_key), ("apply_gradients", _wrap_apply), ("_clip_gradients", _wrap_clip),
              ("_internal_apply_gradients", _wrap_internal_apply), ("save_own_variables", sharded_optimizer.wrap_save),
              ("load_own_variables", sharded_optimizer.wrap_load)]
     for name, wrap in patch:
@@ -84,14 +84,6 @@ def _wrap_add_slot(original):
         state.add_slot(slot, variable_slice)
         return slot
     return add_variable_from_reference
-
-
-def _wrap_var_key(original):
-    def _var_key(self, variable):
-        state = sharded.state_of(self)
-        key = state.key_of_copy(variable) if state is not None else None
-        return original(self, variable) if key is None else key
-    return _var_key
 
 
 def _wrap_apply(original):
