@@ -115,7 +115,7 @@ def install():
     _compat.patch_method(cls, "build", _wrap_build, HOOK)
     _compat.patch_method(cls, "add_variable_from_reference", _wrap_add_slot, HOOK)
     _compat.patch_method(cls, "_var_key", wrap_var_key, HOOK)
-    _compat.patch_method(cls, "_clip_gradients", _wrap_clip, HOOK)
+    _compat.patch_method(cls, "_clip_gradients", wrap_clip, HOOK)
     _compat.patch_method(cls, "_backend_update_step", _wrap_update_step, HOOK)
     _compat.patch_method(cls, "save_own_variables", wrap_save, HOOK)
     _compat.patch_method(cls, "load_own_variables", wrap_load, HOOK)
@@ -169,7 +169,8 @@ def wrap_var_key(original):
     return _var_key
 
 
-def _wrap_clip(original):
+def wrap_clip(original):
+    """`_clip_gradients` that leaves a sharded optimizer's clipping to the sharded step (both flavours)."""
     def _clip_gradients(self, grads):
         if sharded.state_of(self) is not None:
             return grads  # clipped after the reduce-scatter, with norms over every rank's slice

@@ -46,7 +46,8 @@ def install():
                                         "save_own_variables", "load_own_variables"], HOOK, "tf_keras")
     _compat.require_methods(loss_scaled, ["apply_gradients"], HOOK, "tf_keras")
     patch = [("build", _wrap_build), ("add_variable_from_reference", _wrap_add_slot),
-             ("_var_key", sharded_optimizer.wrap_var_key), ("apply_gradients", _wrap_apply), ("_clip_gradients", _wrap_clip),
+             ("_var_key", sharded_optimizer.wrap_var_key), ("apply_gradients", _wrap_apply),
+             ("_clip_gradients", sharded_optimizer.wrap_clip),
              ("_internal_apply_gradients", _wrap_internal_apply), ("save_own_variables", sharded_optimizer.wrap_save),
              ("load_own_variables", sharded_optimizer.wrap_load)]
     for name, wrap in patch:
@@ -99,14 +100,6 @@ def _wrap_apply(original):
         with _gradients_are(mode):
             return original(self, grads_and_vars, name, skip_gradients_aggregation=True, **kwargs)
     return apply_gradients
-
-
-def _wrap_clip(original):
-    def _clip_gradients(self, grads):
-        if sharded.state_of(self) is not None:
-            return grads  # clipped after the reduce-scatter, with norms over every rank's slice
-        return original(self, grads)
-    return _clip_gradients
 
 
 def _wrap_internal_apply(original):
