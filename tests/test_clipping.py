@@ -4,13 +4,15 @@ One launch per rank count of tests/multirank/clipping_checks.py (`clipnorm`, `gl
 `clipvalue`, with a LossScaleOptimizer and with Keras' gradient accumulation), compared with the
 same fits in one plain process. Before, each rank clipped its own part of the gradient: after 2
 epochs the weights differed from one process by 0.17 on 2 ranks and 0.25 on 4. The same launches
-check Horovod's bfloat16 allreduce on Gloo against numpy (the suite's 4-rank Gloo launch).
+check Horovod's bfloat16 allreduce and its reduce-scatter (patch 0011's ring) on Gloo against numpy
+(the suite's 4-rank Gloo launch).
 """
 
 import numpy as np
 import pytest
 
 import bf16_reference
+import reducescatter_reference
 from conftest import ROOT, flavor_env, run_job
 
 WORKER = ROOT / "tests" / "multirank" / "clipping_checks.py"
@@ -35,7 +37,7 @@ def reference(tmp_path_factory):
 def test_clipped_training_on_ranks_equals_one_process(reference, tmp_path_factory, ranks):
     results = ranks_job(ranks, tmp_path_factory)
     worst = {}
-    for case in (key for key in results[0] if key != "bf16_exchange"):
+    for case in (key for key in results[0] if key not in ("bf16_exchange", "reducescatter")):
         expected = reference[case]
         # the clip changes the training (else equality below would prove nothing)
         assert _largest_difference(expected, reference[f"{case} unclipped"]) > 1e-2, case
@@ -55,6 +57,14 @@ def test_bf16_allreduce_on_gloo_is_numpys_float32_sum_rounded_once(tmp_path_fact
     bf16_reference.check_exchange(exchange)
     if ranks == 4:  # one rounding of the float32 sum, where rounding each partial sum loses it
         assert bf16_reference.once_beats_pairwise(exchange) == (1.0 + 2.0 ** -7, 1.0)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_reducescatter_on_gloo_gives_each_rank_numpys_sum_of_its_share(tmp_path_factory, ranks):
+    results = ranks_job(ranks, tmp_path_factory)
+    scattered = {r: results[r]["reducescatter"] for r in range(ranks)}
+    assert scattered[0]["controller"] == "gloo"
+    reducescatter_reference.check(scattered)
 
 
 def _largest_difference(a, b):

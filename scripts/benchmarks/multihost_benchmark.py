@@ -12,7 +12,8 @@ the host names). Every mode, and the 1-rank baseline, runs each rank on one core
 repeat, in alternating order. Modes: ready (HorovodStrategy's default, bucket_mb=None: each
 gradient as it exists), bucketed (HorovodStrategy(bucket_mb=--bucket_mb)), bucketed:<MB> (another
 size), one-collective (bucket_mb=0), each optionally with ~<ms> (Horovod's cycle) and +<method>
-(compression: +powersgd:4, +topk:0.001, +fp16, +bf16), e.g. ready~1+powersgd:4; horovod, mwms.
+(compression: +powersgd:4, +topk:0.001, +fp16, +bf16), e.g. ready~1+powersgd:4, and /sharded
+(shard_optimizer_state=True, last: ready+fp16/sharded); horovod, mwms.
 --keras keras3 runs the Keras modes on Keras 3, --loss_scale wraps their optimizer in
 LossScaleOptimizer.
 
@@ -57,8 +58,9 @@ def parse_mode(name, bucket_mb):
     -> bucket 0; 'ready' -> each gradient as it exists (bucket 'ready'); a suffix '~2' sets
     Horovod's cycle to 2 ms ('ready~2'), '+powersgd:4' / '+topk:0.01' / '+fp16' / '+bf16' a compression
     ('ready+powersgd:4'). A suffix '@1' ('horovod@1') runs that mode as a 1-rank job in host 0.
+    '/sharded' after a tfdist mode ('ready/sharded') adds shard_optimizer_state=True (see sharded()).
     """
-    body = name.split("@")[0]
+    body = name.split("@")[0].removesuffix("/sharded")
     body, _, compression = body.partition("+")
     body, _, cycle = body.partition("~")
     base, _, size = body.partition(":")
@@ -73,6 +75,11 @@ def parse_mode(name, bucket_mb):
         return base, 0.0, None, None
     raise SystemExit(f"--modes {name!r}: expected bucketed[:MB], one-collective or ready (each with an "
                      "optional ~<cycle ms> and +<compression>), horovod or mwms")
+
+
+def sharded(name):
+    """Whether mode `name` shards the optimizer state ('ready/sharded', 'bucketed:4+fp16/sharded')."""
+    return name.split("@")[0].endswith("/sharded")
 
 
 def clean_env():
@@ -104,6 +111,7 @@ def launch(hosts, name, args, out_dir, job, timeline=None):
     argv += ["--cycle_ms", cycle] if cycle is not None else []
     argv += ["--compression", compression] if compression else []
     argv += ["--keras", args.keras] + (["--loss_scale"] if args.loss_scale else [])
+    argv += ["--shard_optimizer_state"] if sharded(name) else []
     procs = []
     try:
         for r in range(ranks):
@@ -166,7 +174,8 @@ def summarize(runs, args, link):
             for label, gbit in (("nominal", args.rate_gbit), ("measured", link["goodput_gbit"])):
                 if not gbit:
                     continue
-                p_step, _, p_comm = predict.step_time(
+                model = predict.sharded_step_time if sharded(name) else predict.step_time
+                p_step, _, p_comm = model(
                     predict.Rank(base / 1e3, grad), predict.Link(gbit, link["rtt_ms"] / 2 * 1e3),
                     len(ok[name][0]["ranks"]), 1, modelled * (1 << 20))
                 row[f"predicted_ms_{label}_link"] = p_step * 1e3

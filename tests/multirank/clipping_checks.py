@@ -7,7 +7,8 @@ Every case fits the same model on the same data at the same global batch for 2 e
 (or the reference process) writes its final weights per case. tests/test_clipping.py compares
 them with the one-process reference; the reference also trains each optimizer unclipped (the
 clip must matter). On ranks the job also runs bf16_checks.exchange_checks() (bfloat16 allreduces
-against numpy: this is the suite's 4-rank Gloo launch), written under "bf16_exchange".
+against numpy: this is the suite's 4-rank Gloo launch), written under "bf16_exchange", and
+reducescatter_checks.reducescatter_checks() (Horovod's reduce-scatter), under "reducescatter".
 """
 
 import os
@@ -64,8 +65,10 @@ def main():
         results.update({f"{name} unclipped": train(lambda: make({}), strategy) for name, (make, _) in CASES.items()})
     else:
         import bf16_checks
+        import reducescatter_checks
 
         results["bf16_exchange"] = bf16_checks.exchange_checks()
+        results["reducescatter"] = reducescatter_checks.reducescatter_checks()
     write_results(args.out, rank, results)
 
 

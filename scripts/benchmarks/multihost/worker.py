@@ -37,6 +37,7 @@ PARSER.add_argument("--warmup", type=int, default=2)
 PARSER.add_argument("--steps", type=int, default=5)
 PARSER.add_argument("--keras", choices=["tf_keras", "keras3"], default="tf_keras")
 PARSER.add_argument("--loss_scale", action="store_true", help="wrap the optimizer in Keras' LossScaleOptimizer")
+PARSER.add_argument("--shard_optimizer_state", action="store_true", help="HorovodStrategy(shard_optimizer_state=True)")
 PARSER.add_argument("--out", required=True)
 
 
@@ -63,8 +64,10 @@ def main():
     if args.mode == "tfdist":
         bucket_mb = None if args.bucket_mb == "ready" else float(args.bucket_mb)
         knobs = {} if args.cycle_ms is None else {"cycle_time_ms": args.cycle_ms}
-        strategy = tfdist.HorovodStrategy(bucket_mb=bucket_mb, horovod=knobs, compression=args.compression)
-        launched = (f"HorovodStrategy(bucket_mb={bucket_mb}, horovod={knobs}, compression={args.compression}), rank {strategy.rank} of {strategy.size} on "
+        strategy = tfdist.HorovodStrategy(bucket_mb=bucket_mb, horovod=knobs, compression=args.compression,
+                                          shard_optimizer_state=args.shard_optimizer_state)
+        launched = (f"HorovodStrategy(bucket_mb={bucket_mb}, horovod={knobs}, compression={args.compression}, "
+                    f"shard_optimizer_state={args.shard_optimizer_state}), rank {strategy.rank} of {strategy.size} on "
                     f"{os.environ.get('HOROVOD_HOSTNAME')}, interface {os.environ.get('HOROVOD_GLOO_IFACE')}, "
                     f"rendezvous {os.environ.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}")
     elif args.mode == "horovod":

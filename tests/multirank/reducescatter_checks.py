@@ -1,0 +1,52 @@
+"""Horovod's reduce-scatter on real ranks (tfdist's patch 0011: Gloo's is a pipelined ring).
+
+    horovodrun -np 3 --gloo python tests/multirank/reducescatter_checks.py --out DIR
+
+`reducescatter_checks()` also runs inside the clipping launches (Gloo, 2 and 4 ranks). Each rank
+reduce-scatters tensors of its own, `rank_inputs(rank, size)`: alone and grouped (Horovod's fusion
+buffer), float32 segments of several 1 MiB ring pieces, first dimensions that do not divide by the
+rank count or are smaller than it, float16, float64 and int32. Integer-valued floats keep every sum
+exact in any order; one float32 case of random values is compared within a tolerance.
+tests/reducescatter_reference.py recomputes each rank's share in numpy from every rank's inputs
+(tests/test_clipping.py calls it).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the reference
+from common import quiet_tensorflow, worker_parser, write_results  # noqa: E402
+
+quiet_tensorflow()
+
+from reducescatter_reference import ALONE, GROUPED, rank_inputs  # noqa: E402
+
+
+def reducescatter_checks():
+    """{name: this rank's share as a nested list, "dtype:<name>": dtype, "controller": ...}."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    inputs = rank_inputs(hvd.rank(), hvd.size())
+    results = {"controller": "mpi" if hvd.mpi_enabled() else "gloo"}
+    for name in ALONE:
+        out = hvd.reducescatter(tf.constant(inputs[name]), op=hvd.Sum, name=f"tfdist_rs_check_{name}")
+        results[name], results[f"dtype:{name}"] = out.numpy().tolist(), out.dtype.name
+    grouped = hvd.grouped_reducescatter([tf.constant(inputs[name]) for name in GROUPED], op=hvd.Sum)
+    for name, out in zip(GROUPED, grouped):
+        results[name], results[f"dtype:{name}"] = out.numpy().tolist(), out.dtype.name
+    return results
+
+
+def main():
+    args = worker_parser().parse_args()
+    import horovod.tensorflow as hvd
+
+    results = reducescatter_checks()
+    write_results(args.out, hvd.rank(), results)
+
+
+if __name__ == "__main__":
+    main()

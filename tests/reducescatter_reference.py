@@ -1,0 +1,54 @@
+"""What Horovod's reduce-scatter must give on every rank: the inputs tests/multirank/reducescatter_checks.py
+sends from each rank, and numpy's sum of them split as Horovod splits it.
+
+`check(ranks)` compares every rank's results ({rank: reducescatter_checks() dict}) with numpy's:
+exactly for integer-valued inputs (every order of summation gives the same), within 1e-5 for
+random float32 values.
+"""
+
+import numpy as np
+
+ALONE = ("large", "uneven", "fewer_rows", "half", "double", "int", "normal")
+GROUPED = ("grouped_a", "grouped_b", "grouped_c")
+
+
+def rank_inputs(rank, size):
+    """{name: array} this rank reduce-scatters; the same shapes on every rank."""
+    rng = np.random.default_rng(500 + rank)
+
+    def integers(shape, dtype, bound=100):
+        return rng.integers(-bound, bound + 1, size=shape).astype(dtype)
+
+    return {
+        "large": integers((size * 700_001,), np.float32),  # each segment: 3 ring pieces (1 MiB each)
+        "uneven": integers((2 * size + 1, 1000), np.float32),  # the first ranks get one row more
+        "fewer_rows": integers((size - 1, 3), np.float32),  # the last rank gets no row
+        "half": integers((size * 5 + 2, 7), np.float16, bound=20),
+        "double": integers((size * 3, 2, 2), np.float64),
+        "int": integers((size * 4 + 3,), np.int32, bound=10_000),
+        "normal": rng.normal(size=(size * 50_000,)).astype(np.float32),
+        "grouped_a": integers((size * 400_000,), np.float32),
+        "grouped_b": integers((size + 1, 5), np.float32),
+        "grouped_c": integers((size * 2, 3), np.float32),
+    }
+
+
+def expected_share(inputs_by_rank, name, rank):
+    """numpy's sum over ranks of `name`, split on its first dimension as Horovod splits it."""
+    total = np.sum([inputs[name].astype(np.float64) for inputs in inputs_by_rank], axis=0)
+    return np.array_split(total, len(inputs_by_rank))[rank]
+
+
+def check(ranks):
+    """Every rank's share of every case equals numpy's. `ranks`: {rank: reducescatter_checks() dict}."""
+    size = len(ranks)
+    inputs_by_rank = [rank_inputs(r, size) for r in range(size)]
+    for rank, got in ranks.items():
+        for name in ALONE + GROUPED:
+            want = expected_share(inputs_by_rank, name, rank)
+            mine = np.array(got[name], dtype=np.float64).reshape(want.shape)
+            assert got[f"dtype:{name}"] == inputs_by_rank[0][name].dtype.name, (name, rank)
+            if name == "normal":
+                np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-5, err_msg=f"{name}, rank {rank} of {size}")
+            else:
+                np.testing.assert_array_equal(mine, want, err_msg=f"{name}, rank {rank} of {size}")
