@@ -71,10 +71,10 @@ def parse_mode(name, bucket_mb):
         return ("tfdist", 0.0, *extras)
     if base == "ready" and not size:
         return ("tfdist", "ready", *extras)
-    if base in ("horovod", "mwms", "none") and not size and extras == (None, None):
+    if base in ("horovod", "mwms", "none") and not size and extras == (None, None) and not sharded(name):
         return base, 0.0, None, None
     raise SystemExit(f"--modes {name!r}: expected bucketed[:MB], one-collective or ready (each with an "
-                     "optional ~<cycle ms> and +<compression>), horovod or mwms")
+                     "optional ~<cycle ms>, +<compression> and /sharded), horovod or mwms")
 
 
 def sharded(name):
