@@ -72,6 +72,16 @@ def test_benchmark_modes_report_like_tf_cnn_benchmarks(tmp_path, mode, np):
         assert data["early_settings"] is None and "TensorFlow defaults" in data["tuning"]
 
 
+def test_seed_starts_runs_alike_and_another_seed_differently(tmp_path):
+    """--seed: what the precision/compression accuracy runs pair on (same weights, dropout, data)."""
+    losses = []
+    for n, seed in enumerate([5, 5, 6]):
+        script("tfdist-benchmark", [*TINY, "--variable_update", "none", "--seed", seed, "--json", tmp_path / f"{n}.json"])
+        losses.append(json.loads((tmp_path / f"{n}.json").read_text())["step_losses"])
+    assert len(losses[0]) == 5 and losses[0] == losses[1], losses
+    assert losses[0][0] != losses[2][0], losses
+
+
 @pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])  # tf-keras failed: no validation step count
 def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path, flavour):
     script("examples/make_digits_dataset.py", [tmp_path / "digits", "--size", "16"])

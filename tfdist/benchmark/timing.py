@@ -15,13 +15,13 @@ class StepTimer:
     """Wall time of every step, the step's loss fetched so the step has really finished."""
 
     def __init__(self):
-        self.times, self._start = [], None
+        self.times, self.losses, self._start = [], [], None
 
     def begin(self):
         self._start = time.perf_counter()
 
     def end(self, loss):
-        float(loss)
+        self.losses.append(float(loss))
         self.times.append(time.perf_counter() - self._start)
 
 

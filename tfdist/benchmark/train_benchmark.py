@@ -48,6 +48,8 @@ PARSER.add_argument("--epochs", type=argtypes.positive_int,
                     help="train whole epochs of --data_dir (instead of --num_batches)")
 PARSER.add_argument("--target_accuracy", type=argtypes.fraction,
                     help="with --epochs: stop once test accuracy reaches it")
+PARSER.add_argument("--seed", type=argtypes.nonnegative_int, help="keras.utils.set_random_seed before the model is built "
+                    "(weights, dropout): runs that differ only in precision or compression start alike")
 PARSER.add_argument("--learning_rate", type=argtypes.positive_float, default=0.01,
                     help="per replica (scaled by the replica count)")
 PARSER.add_argument("--precision", default="float32",
@@ -103,6 +105,8 @@ def run_keras_fit(args, keras, strategy, rank):
             timer.end(logs["loss"])
 
     replicas = strategy.num_replicas_in_sync if strategy else 1
+    if args.seed is not None:
+        keras.utils.set_random_seed(args.seed)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build_model(keras, args.model, args.image_size, args.num_classes)
         optimizer = keras.optimizers.SGD(args.learning_rate * replicas, momentum=0.9)
@@ -347,7 +351,7 @@ def main():
         timer, source, history = run_keras_fit(args, keras, strategy, rank)
     total = report(args, timer, global_batch, rank)
     result = {"args": vars(args), "argv": sys.argv, "header": header, "ranks": size, "global_batch": global_batch,
-              "total_images_per_sec": total, "step_seconds": timer.times,
+              "total_images_per_sec": total, "step_seconds": timer.times, "step_losses": timer.losses,
               "warmup_steps_excluded": args.num_warmup_batches, "data": source, "tuning": tuning,
               "in_effect": {**effect, "cpus": list(effect["cpus"])}, "early_settings": startup.state(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
