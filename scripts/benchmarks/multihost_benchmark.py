@@ -167,7 +167,7 @@ def summarize(runs, args, link):
                "run_medians_ms": [round(statistics.median(timed_ms(r["ranks"]["0"])), 1) for r in ok[name]],
                "steps": len(steps[name]), "step_ms": step}
         if base and name != "none" and not name.endswith("@1"):
-            mode, bucket = parse_mode(name, args.bucket_mb)[:2]
+            mode, bucket, _, compression = parse_mode(name, args.bucket_mb)
             bucket = args.horovod_model_bucket_mb if bucket == "ready" else bucket
             row.update(exposed_ms=step - base, efficiency=base / step)
             modelled = {"tfdist": bucket, "mwms": 0.0, "horovod": args.horovod_model_bucket_mb}[mode]
@@ -175,9 +175,10 @@ def summarize(runs, args, link):
                 if not gbit:
                     continue
                 model = predict.sharded_step_time if sharded(name) else predict.step_time
-                p_step, _, p_comm = model(
-                    predict.Rank(base / 1e3, grad), predict.Link(gbit, link["rtt_ms"] / 2 * 1e3),
-                    len(ok[name][0]["ranks"]), 1, modelled * (1 << 20))
+                ranks = len(ok[name][0]["ranks"])  # compression: its wire bytes (one flat tensor) and flops
+                rank = predict.compressed(predict.Rank(base / 1e3, grad), None, compression or "none", ranks, 20.0)[0]
+                p_step, _, p_comm = model(rank, predict.Link(gbit, link["rtt_ms"] / 2 * 1e3), ranks, 1,
+                                          modelled * (1 << 20))
                 row[f"predicted_ms_{label}_link"] = p_step * 1e3
                 row[f"predicted_error_{label}_link"] = p_step * 1e3 / step - 1
                 row[f"predicted_comm_ms_{label}_link"] = p_comm * 1e3

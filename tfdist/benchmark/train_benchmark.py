@@ -105,7 +105,7 @@ def run_keras_fit(args, keras, strategy, rank):
             timer.end(logs["loss"])
 
     replicas = strategy.num_replicas_in_sync if strategy else 1
-    if args.seed is not None:
+    if getattr(args, "seed", None) is not None:  # scripts/benchmarks/multihost's worker has no --seed
         keras.utils.set_random_seed(args.seed)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build_model(keras, args.model, args.image_size, args.num_classes)

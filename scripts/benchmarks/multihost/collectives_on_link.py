@@ -1,0 +1,102 @@
+"""Horovod's collectives alone on an emulated link: which one is slow, and by how much.
+
+    .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --out /tmp/collectives
+
+Two network namespaces on a shaped veth pair (tests/emulate_hosts.py), one rank per host on a
+core of its own, started as scripts/benchmarks/multihost_benchmark.py starts its ranks (an srun
+step's variables; HorovodStrategy() runs the Gloo rendezvous). Each rank times, in a tf.function,
+the allreduce of one tensor of --elements values in float32, bfloat16 and float16, then the
+alltoall and allgather that tfdist's bfloat16 allreduce is made of (Horovod has no bfloat16
+alltoall: float16 moves the same bytes), best of --repeats after one untimed call. Prints rank
+0's milliseconds and writes them, with the link and the command, to <out>.json.
+"""
+
+import argparse
+import tempfile
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+
+
+def rank_main(args):
+    import tfdist
+    import tensorflow as tf
+
+    tfdist.HorovodStrategy()
+    import horovod.tensorflow as hvd
+
+    base = tf.random.normal([args.elements], seed=hvd.rank())
+    results = {}
+
+    def best_ms(label, collective, x):
+        step = tf.function(collective)
+        step(x).numpy()
+        times = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            step(x).numpy()
+            times.append(time.perf_counter() - started)
+        results[label] = round(min(times) * 1e3, 1)
+
+    mb = args.elements / 2 ** 20
+    for dtype in (tf.float32, tf.bfloat16, tf.float16):
+        best_ms(f"allreduce {dtype.name} {mb * dtype.size:.0f} MB",
+                lambda x, n=dtype.name: hvd.allreduce(x, op=hvd.Sum, name=f"allreduce_{n}"), tf.cast(base, dtype))
+    best_ms(f"alltoall float16 {mb * 2:.0f} MB ({mb:.0f} MB to the other rank)",
+            lambda x: hvd.alltoall(x, name="alltoall_half"), tf.cast(base, tf.float16))
+    best_ms(f"allgather bfloat16 {mb:.0f} MB from each rank",
+            lambda x: hvd.allgather(x, name="allgather_half"), tf.cast(base[: args.elements // 2], tf.bfloat16))
+    best_ms(f"alltoall float32 {mb * 4:.0f} MB ({mb * 2:.0f} MB to the other rank)",
+            lambda x: hvd.alltoall(x, name="alltoall_float"), base)
+    if hvd.rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(results, f)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate_gbit", type=float, default=1.0)
+    parser.add_argument("--delay_ms", type=float, default=0.0)
+    parser.add_argument("--elements", type=int, default=12288 * 2048, help="the wide MLP's largest kernel")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", help="write <out>.json")
+    parser.add_argument("--result", help=argparse.SUPPRESS)  # set on the ranks
+    args = parser.parse_args(argv)
+    if args.result:
+        return rank_main(args)
+    sys.path.insert(0, os.path.dirname(HERE))
+    import multihost_benchmark as bench
+
+    link = bench.emulate_hosts.Link(args.rate_gbit or None, args.delay_ms)
+    job = int(time.time()) % 100000 * 10
+    with bench.emulate_hosts.NetworkNamespaces(2, link) as hosts, tempfile.TemporaryDirectory() as scratch:
+        measured = hosts.measure_rate(0, 1, 32 << 20)
+        result = os.path.join(scratch, "rank0.json")
+        argv = [sys.executable, os.path.abspath(__file__), "--elements", str(args.elements), "--repeats",
+                str(args.repeats), "--result", result]
+        procs = []
+        for r in range(2):
+            env = {**bench.clean_env(), **bench.rank_env(hosts, "ready", r, job), **bench.THREADS}
+            log = open(os.path.join(scratch, f"task{r}.log"), "w")
+            procs.append(hosts.run(r, argv, core=r % os.cpu_count(), env=env, cwd=ROOT, stdout=log,
+                                   stderr=subprocess.STDOUT))
+        codes = [p.wait(timeout=900) for p in procs]
+        if any(codes):
+            sys.exit(f"ranks exited with {codes}\n" + open(os.path.join(scratch, "task0.log")).read()[-3000:])
+        results = json.load(open(result))
+    header = f"link {link.describe()}, measured {measured:.3f} Gbit/s; {bench.cpu_model()}"
+    print(header + "\n" + "\n".join(f"{k}: {v} ms" for k, v in results.items()))
+    if args.out:
+        with open(f"{args.out}.json", "w") as f:
+            json.dump({"command": " ".join([sys.executable, *sys.argv]), "link": header,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "ms": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
