@@ -5,7 +5,9 @@ One launch per rank count of tests/multirank/clipping_checks.py (`clipnorm`, `gl
 same fits in one plain process. Before, each rank clipped its own part of the gradient: after 2
 epochs the weights differed from one process by 0.17 on 2 ranks and 0.25 on 4. The same launches
 check Horovod's bfloat16 allreduce and its reduce-scatter (patch 0011's ring) on Gloo against numpy
-(the suite's 4-rank Gloo launch).
+(the suite's 4-rank Gloo launch). The 4-rank launch cuts the bfloat16 allreduce into 2 KiB pieces
+(patch 0012's HOROVOD_BFLOAT16_PIECE_BYTES), so its largest tensor's segments travel in five pieces,
+more than the four in flight; the 2-rank launch keeps the 1 MiB default (one piece per segment).
 """
 
 import numpy as np
@@ -22,8 +24,9 @@ _jobs = {}
 def ranks_job(ranks, tmp_path_factory):
     """The `ranks`-rank launch, once."""
     if ranks not in _jobs:
+        pieces = {"HOROVOD_BFLOAT16_PIECE_BYTES": "2048"} if ranks == 4 else {}
         _jobs[ranks] = run_job([WORKER], tmp_path_factory.mktemp(f"clip-{ranks}"), np=ranks,
-                               env=flavor_env("keras3"), timeout=600)
+                               env={**flavor_env("keras3"), **pieces}, timeout=600)
     return _jobs[ranks]
 
 
