@@ -43,8 +43,7 @@ from tfdist.errors import KerasHookError
 HOOK = "fused batch normalization"
 
 _MIN_EPSILON = 1.001e-5  # tf.compat.v1.nn.fused_batch_norm raises a smaller epsilon to this
-_nchw_on_cpu = []  # cache of _nchw_supported()
-_bf16_on_cpu = []  # cache of _bfloat16_in_kernel()
+_kernel_runs = {}  # cache of _cpu_kernel_runs()
 
 
 def install():
@@ -114,46 +113,38 @@ def _fused_data_format(layer, inputs, training, mask, keras_moments):
 
 def _nchw_supported():
     """Whether TensorFlow's CPU FusedBatchNormV3 kernel runs (and differentiates) NCHW inputs."""
-    if not _nchw_on_cpu:
-        ok = False
-        with tf.init_scope(), tf.device("/CPU:0"):
-            if tf.executing_eagerly():
-                try:
-                    x = tf.constant([[[[1.0]], [[2.0]]], [[[3.0]], [[5.0]]]])  # shape (2, 2, 1, 1)
-                    y, _, _, mean, inv, space = tf.raw_ops.FusedBatchNormV3(
-                        x=x, scale=tf.ones([2]), offset=tf.zeros([2]), mean=tf.zeros([0]),
-                        variance=tf.zeros([0]), data_format="NCHW", is_training=True)
-                    dx = tf.raw_ops.FusedBatchNormGradV3(
-                        y_backprop=y, x=x, scale=tf.ones([2]), reserve_space_1=mean,
-                        reserve_space_2=inv, reserve_space_3=space, data_format="NCHW")[0]
-                    ok = dx.shape == x.shape
-                except (tf.errors.OpError, ValueError, TypeError):
-                    ok = False
-        _nchw_on_cpu.append(bool(ok))
-    return _nchw_on_cpu[0]
+    return _cpu_kernel_runs(tf.float32, "NCHW")
 
 
 def _bfloat16_in_kernel():
     """Whether this process normalizes bfloat16 activations inside the kernel: a CPU-only process whose
     FusedBatchNormV3 (and its gradient) take bfloat16 (statistics in float32, as Keras' upcast does)."""
-    if not _bf16_on_cpu:
+    return _cpu_kernel_runs(tf.bfloat16, "NHWC", cpu_only=True)
+
+
+def _cpu_kernel_runs(dtype, data_format, cpu_only=False):
+    """Whether TensorFlow's CPU FusedBatchNormV3 and its gradient run on a tiny `dtype` input laid out
+    as `data_format`, the gradient coming back in `dtype` and the input's shape. Asked once per
+    process (eagerly; False where that is impossible, or with `cpu_only` where a GPU is visible)."""
+    key = (dtype, data_format, cpu_only)
+    if key not in _kernel_runs:
         ok = False
         with tf.init_scope():
-            if tf.executing_eagerly() and not tf.config.list_logical_devices("GPU"):
+            if tf.executing_eagerly() and not (cpu_only and tf.config.list_logical_devices("GPU")):
                 try:
                     with tf.device("/CPU:0"):
-                        x = tf.constant([[[[1.0, 2.0]], [[3.0, 5.0]]]], tf.bfloat16)  # shape (1, 2, 1, 2)
+                        x = tf.constant([[[[1.0, 2.0]], [[3.0, 5.0]]]], dtype)  # (1, 2, 1, 2): 2 channels either way
                         y, _, _, mean, inv, space = tf.raw_ops.FusedBatchNormV3(
                             x=x, scale=tf.ones([2]), offset=tf.zeros([2]), mean=tf.zeros([0]),
-                            variance=tf.zeros([0]), is_training=True)
+                            variance=tf.zeros([0]), data_format=data_format, is_training=True)
                         dx = tf.raw_ops.FusedBatchNormGradV3(
                             y_backprop=y, x=x, scale=tf.ones([2]), reserve_space_1=mean,
-                            reserve_space_2=inv, reserve_space_3=space)[0]
-                        ok = dx.dtype == tf.bfloat16 and dx.shape == x.shape
+                            reserve_space_2=inv, reserve_space_3=space, data_format=data_format)[0]
+                        ok = dx.dtype == dtype and dx.shape == x.shape
                 except (tf.errors.OpError, ValueError, TypeError):
                     ok = False
-        _bf16_on_cpu.append(bool(ok))
-    return _bf16_on_cpu[0]
+        _kernel_runs[key] = bool(ok)
+    return _kernel_runs[key]
 
 
 def _fused(x, scale, offset, mean, variance, epsilon, data_format, training):
