@@ -12,11 +12,11 @@ alltoall: float16 moves the same bytes), best of --repeats after one untimed cal
 """
 
 import argparse
-import tempfile
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
