@@ -20,6 +20,7 @@ HOROVOD_IMPORTERS = {
     "tfdist.collectives": "the one place for collectives",
     "tfdist._compat": "Horovod's private rendezvous classes, like every private access",
     "tfdist.benchmark.train_benchmark": "its --variable_update horovod baseline is Horovod's own loop",
+    "tfdist.benchmark.modes": "starts Horovod itself for that baseline",
 }
 
 

@@ -91,7 +91,7 @@ def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path, 
                              "--batch_size", "32", "--data_dir", tmp_path / "digits" / "train",
                              "--eval_dir", tmp_path / "digits" / "test", "--epochs", "3",
                              "--target_accuracy", "0.2", "--display_every", "10", "--json", result,
-                             "--keras", flavour],
+                             "--keras", flavour, *(["--lr_decay", "polynomial"] if flavour == "keras3" else [])],
         np=2, last_line="final test accuracy:")
     assert "final test accuracy:" in out and "epoch 1: test accuracy" in out
     # the job ends promptly after its results (it lingered 19-22 s releasing tf.data iterators)
@@ -103,7 +103,11 @@ def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path, 
         assert e["test_accuracy"] * 360 == pytest.approx(round(e["test_accuracy"] * 360), abs=1e-3)
     reached = [e for e in epochs if e["test_accuracy"] >= 0.2]
     assert data["seconds_to_target"] == (round(reached[0]["seconds"], 1) if reached else None)
-    assert len(data["step_seconds"]) == len(epochs) * (1437 // 2 // 32)  # every training step timed
+    steps = 1437 // 2 // 32
+    assert len(data["step_seconds"]) == len(epochs) * steps  # every training step timed
+    for e in epochs:  # 0.01 per replica; with --lr_decay, power 2 to 0 at the last step of epoch 3
+        decayed = 0.02 * (1 - (e["epoch"] * steps - 1) / (3 * steps)) ** 2 if flavour == "keras3" else 0.02
+        assert e["learning_rate"] == pytest.approx(decayed, rel=1e-5), epochs
 
 
 def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):

@@ -5,7 +5,7 @@
     tfdist-scaling --ranks 1 2 --modes none tfdist horovod --repeats 3 -- --num_batches 6
 
 `train_benchmark` is `tfdist-benchmark` (tfdist, Horovod's own loop, MWMS or one plain process),
-`timing` its step timer and report, `models` its models (ResNet50 v1 and v1.5, a small CNN),
+`modes` its --variable_update set-ups, `timing` its step timer and report, `models` its models (ResNet50 v1 and v1.5, a small CNN),
 `scaling` the side-by-side runner (`tfdist-scaling`), `step_model` the step-time model
 (`tfdist-predict`), `profile_summary` the per-rank profile reader (`tfdist-profile`).
 """

@@ -30,6 +30,7 @@ import time
 from tfdist.benchmark import argtypes
 from tfdist.tuning import startup
 from tfdist.benchmark.models import MODELS, build_model, model_name
+from tfdist.benchmark.modes import mwms_tf_config, start
 from tfdist.benchmark.timing import StepTimer, accuracy_summary, report
 
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -52,6 +53,8 @@ PARSER.add_argument("--seed", type=argtypes.nonnegative_int, help="keras.utils.s
                     "(weights, dropout): runs that differ only in precision or compression start alike")
 PARSER.add_argument("--learning_rate", type=argtypes.positive_float, default=0.01,
                     help="per replica (scaled by the replica count)")
+PARSER.add_argument("--lr_decay", choices=["none", "polynomial"], default="none", help="with --epochs: polynomial "
+                    "(power 2) to 0 at the last step, so the last epochs' accuracies settle and compare")
 PARSER.add_argument("--precision", default="float32",
                     choices=["float32", "mixed_float16", "mixed_bfloat16", "fp16", "bf16", "auto"],
                     help="fp16/bf16: mixed_float16/mixed_bfloat16; auto: tfdist only (HorovodStrategy picks by hardware)")
@@ -105,18 +108,23 @@ def run_keras_fit(args, keras, strategy, rank):
             timer.end(logs["loss"])
 
     replicas = strategy.num_replicas_in_sync if strategy else 1
-    if getattr(args, "seed", None) is not None:  # scripts/benchmarks/multihost's worker has no --seed
+    if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
+    train, source, plan = distributed_input(args, strategy, training=True)
+    learning_rate = args.learning_rate * replicas
+    if args.epochs and args.lr_decay == "polynomial":
+        from tfdist.callbacks import polynomial_decay
+
+        learning_rate = polynomial_decay(learning_rate, total_steps=args.epochs * plan.steps_per_epoch)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build_model(keras, args.model, args.image_size, args.num_classes)
-        optimizer = keras.optimizers.SGD(args.learning_rate * replicas, momentum=0.9)
+        optimizer = keras.optimizers.SGD(learning_rate, momentum=0.9)
         if getattr(args, "loss_scale", False):  # scripts/benchmarks/multihost: loss scaling without a float16 policy
             optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
         model.compile(optimizer=optimizer,
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla,
                       metrics=["accuracy"] if args.epochs else None)
     keep_iterators(model)
-    train, source, plan = distributed_input(args, strategy, training=True)
     fit_callbacks = [Timing()]
     if args.profile_dir:
         from tfdist.callbacks import ProfileSteps
@@ -138,15 +146,18 @@ def run_keras_fit(args, keras, strategy, rank):
 
         def on_epoch_end(self, epoch, logs=None):
             accuracy = float(logs["val_accuracy"]) if test is not None else None
-            history.append({"epoch": epoch + 1, "test_accuracy": accuracy, "seconds": time.perf_counter() - start})
+            history.append({"epoch": epoch + 1, "test_accuracy": accuracy, "seconds": time.perf_counter() - start,
+                            "learning_rate": logs["learning_rate"]})
             if rank == 0:
                 print(f"epoch {epoch + 1}: test accuracy {accuracy}  ({history[-1]['seconds']:.1f} s)", flush=True)
             if args.target_accuracy and accuracy is not None and accuracy >= args.target_accuracy:
                 self.model.stop_training = True
 
+    from tfdist.callbacks import LearningRateLogger
+
     # One fit for every epoch, so one training iterator, held to the end (see _exit_now).
     model.fit(train, steps_per_epoch=plan.steps_per_epoch, epochs=args.epochs, validation_data=test,
-              validation_steps=test_steps, verbose=0, callbacks=[*fit_callbacks, EpochEnd()])
+              validation_steps=test_steps, verbose=0, callbacks=[*fit_callbacks, LearningRateLogger(), EpochEnd()])
     return timer, source, history
 
 
@@ -209,73 +220,6 @@ def keep_iterators(model):
             return step(iterator)
 
         setattr(model, name, holding)
-
-
-def mwms_tf_config():
-    """TF_CONFIG for MultiWorkerMirroredStrategy: as set, or one worker per horovodrun rank on this host."""
-    if "TF_CONFIG" in os.environ or "HOROVOD_RANK" not in os.environ:
-        return
-    size, rank = int(os.environ["HOROVOD_SIZE"]), int(os.environ["HOROVOD_RANK"])
-    if int(os.environ.get("HOROVOD_LOCAL_SIZE", size)) != size:
-        sys.exit("--variable_update mwms derives TF_CONFIG for ranks on one host only; set TF_CONFIG "
-                 "for multi-host runs")
-    base = int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "23450")) + 1
-    workers = [f"localhost:{base + i}" for i in range(size)]
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
-
-
-def start(args):
-    """Create the strategy of --variable_update; returns (keras, strategy, tuning text, size, rank)."""
-    import tensorflow as tf
-
-    from tfdist.keras.flavour import keras_module
-    from tfdist.strategy import HorovodStrategy
-
-    keras = keras_module()
-    if args.variable_update == "tfdist":
-        overrides = {k: v for k, v in (("intra_op_threads", args.num_intra_threads),
-                                       ("inter_op_threads", args.num_inter_threads)) if v}
-        if args.onednn != "default":  # set before TensorFlow loaded (main); the plan must agree
-            overrides["onednn"] = args.onednn == "on"
-        knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
-        device = {"auto": None, "cpu": "/cpu:0", "gpu": "gpu"}[args.device]
-        strategy = HorovodStrategy(device, precision=args.precision, horovod=knobs, compression=args.compression,
-                                   fused_batchnorm=args.fused_batchnorm == "on",
-                                   tuning=False if args.no_tuning else (overrides or True))
-        tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
-        from tfdist.keras import fused_batchnorm as keras_fused_batchnorm
-
-        tuning += f"; fused BatchNormalization: {'on' if keras_fused_batchnorm.is_installed() else 'off'}"
-        return keras, strategy, tuning, strategy.size, strategy.rank
-    _set_threads(tf, args)
-    if args.device == "gpu":
-        from tfdist.tuning import gpu
-
-        rank = int(os.environ.get("HOROVOD_RANK", "0"))
-        gpu.require_gpu("gpu", rank, int(os.environ.get("HOROVOD_LOCAL_RANK", "0")))
-    tuning = (f"TensorFlow defaults, except intra_op={args.num_intra_threads} inter_op={args.num_inter_threads}"
-              if args.num_intra_threads or args.num_inter_threads else "TensorFlow defaults")
-    if args.precision != "float32":
-        keras.mixed_precision.set_global_policy(args.precision)
-    if args.variable_update == "horovod":
-        import horovod.tensorflow as hvd
-
-        if args.horovod_cycle_time_ms:
-            os.environ["HOROVOD_CYCLE_TIME"] = str(args.horovod_cycle_time_ms)
-        hvd.init()
-        return keras, None, tuning, hvd.size(), hvd.rank()
-    if args.variable_update == "mwms":
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        resolver = strategy.cluster_resolver
-        return keras, strategy, tuning, strategy.num_replicas_in_sync, resolver.task_id or 0
-    return keras, None, tuning, 1, 0
-
-
-def _set_threads(tf, args):
-    if args.num_intra_threads:
-        tf.config.threading.set_intra_op_parallelism_threads(args.num_intra_threads)
-    if args.num_inter_threads:
-        tf.config.threading.set_inter_op_parallelism_threads(args.num_inter_threads)
 
 
 def main():

@@ -42,11 +42,14 @@ PARSER.add_argument("--out", required=True)
 
 
 def benchmark_args(args):
-    """The fields tfdist.benchmark.train_benchmark's loops read."""
-    return argparse.Namespace(model=args.model, batch_size=args.batch_size, image_size=args.image_size,
-                              num_classes=args.num_classes, num_warmup_batches=args.warmup,
-                              num_batches=args.steps, data_dir=None, eval_dir=None, epochs=None,
-                              learning_rate=0.01, xla=False, profile_dir=None, loss_scale=args.loss_scale)
+    """tfdist-benchmark's arguments (its defaults, so none is missing) for its loops, with this run's values."""
+    from tfdist.benchmark.train_benchmark import PARSER
+
+    bargs = PARSER.parse_args(["--model", args.model, "--batch_size", str(args.batch_size), "--image_size",
+                               str(args.image_size), "--num_classes", str(args.num_classes),
+                               "--num_warmup_batches", str(args.warmup), "--num_batches", str(args.steps)])
+    bargs.loss_scale = args.loss_scale
+    return bargs
 
 
 def main():

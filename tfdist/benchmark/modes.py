@@ -1,0 +1,76 @@
+"""tfdist-benchmark's --variable_update modes set up: Keras, the strategy (or none), rank and size.
+
+    from tfdist.benchmark.train_benchmark import PARSER
+    keras, strategy, tuning, size, rank = start(PARSER.parse_args(["--variable_update", "none"]))
+"""
+
+import json
+import os
+import sys
+
+
+def mwms_tf_config():
+    """TF_CONFIG for MultiWorkerMirroredStrategy: as set, or one worker per horovodrun rank on this host."""
+    if "TF_CONFIG" in os.environ or "HOROVOD_RANK" not in os.environ:
+        return
+    size, rank = int(os.environ["HOROVOD_SIZE"]), int(os.environ["HOROVOD_RANK"])
+    if int(os.environ.get("HOROVOD_LOCAL_SIZE", size)) != size:
+        sys.exit("--variable_update mwms derives TF_CONFIG for ranks on one host only; set TF_CONFIG "
+                 "for multi-host runs")
+    base = int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "23450")) + 1
+    workers = [f"localhost:{base + i}" for i in range(size)]
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
+
+
+def start(args):
+    """Create the strategy of --variable_update; returns (keras, strategy, tuning text, size, rank)."""
+    import tensorflow as tf
+
+    from tfdist.keras.flavour import keras_module
+    from tfdist.strategy import HorovodStrategy
+
+    keras = keras_module()
+    if args.variable_update == "tfdist":
+        overrides = {k: v for k, v in (("intra_op_threads", args.num_intra_threads),
+                                       ("inter_op_threads", args.num_inter_threads)) if v}
+        if args.onednn != "default":  # set before TensorFlow loaded (main); the plan must agree
+            overrides["onednn"] = args.onednn == "on"
+        knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
+        device = {"auto": None, "cpu": "/cpu:0", "gpu": "gpu"}[args.device]
+        strategy = HorovodStrategy(device, precision=args.precision, horovod=knobs, compression=args.compression,
+                                   fused_batchnorm=args.fused_batchnorm == "on",
+                                   tuning=False if args.no_tuning else (overrides or True))
+        tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
+        from tfdist.keras import fused_batchnorm as keras_fused_batchnorm
+
+        tuning += f"; fused BatchNormalization: {'on' if keras_fused_batchnorm.is_installed() else 'off'}"
+        return keras, strategy, tuning, strategy.size, strategy.rank
+    _set_threads(tf, args)
+    if args.device == "gpu":
+        from tfdist.tuning import gpu
+
+        rank = int(os.environ.get("HOROVOD_RANK", "0"))
+        gpu.require_gpu("gpu", rank, int(os.environ.get("HOROVOD_LOCAL_RANK", "0")))
+    tuning = (f"TensorFlow defaults, except intra_op={args.num_intra_threads} inter_op={args.num_inter_threads}"
+              if args.num_intra_threads or args.num_inter_threads else "TensorFlow defaults")
+    if args.precision != "float32":
+        keras.mixed_precision.set_global_policy(args.precision)
+    if args.variable_update == "horovod":
+        import horovod.tensorflow as hvd
+
+        if args.horovod_cycle_time_ms:
+            os.environ["HOROVOD_CYCLE_TIME"] = str(args.horovod_cycle_time_ms)
+        hvd.init()
+        return keras, None, tuning, hvd.size(), hvd.rank()
+    if args.variable_update == "mwms":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        resolver = strategy.cluster_resolver
+        return keras, strategy, tuning, strategy.num_replicas_in_sync, resolver.task_id or 0
+    return keras, None, tuning, 1, 0
+
+
+def _set_threads(tf, args):
+    if args.num_intra_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.num_intra_threads)
+    if args.num_inter_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(args.num_inter_threads)
