@@ -185,3 +185,19 @@ def test_model_argument_keeps_the_module_function_form():
 
     assert PARSER.parse_args(["--model", "my_models:small_cnn"]).model == "my_models:small_cnn"
     assert PARSER.parse_args(["--model", "resnet50_v1.5"]).model == "resnet50_v1.5"
+
+
+def test_multihost_worker_trains_its_steps_on_each_rank(tmp_path):
+    """scripts/benchmarks/multihost/worker.py (run in emulated hosts by multihost_benchmark): its
+    own arguments feed tfdist-benchmark's loops (a field missing there once failed every link run)."""
+    common = ["--model", "trivial", "--image_size", "8", "--num_classes", "4", "--batch_size", "4",
+              "--warmup", "1", "--steps", "2", "--keras", "keras3"]
+    script("benchmarks/multihost/worker.py", ["--mode", "tfdist", "--compression", "bf16", *common,
+                                              "--out", tmp_path / "tfdist"], np=2)
+    script("benchmarks/multihost/worker.py", ["--mode", "none", *common, "--out", tmp_path / "none"])
+    for rank in (0, 1):
+        result = json.loads((tmp_path / "tfdist" / f"rank{rank}.json").read_text())
+        assert result["rank"] == rank and len(result["step_seconds"]) == 3, result
+        assert result["launched"].startswith("HorovodStrategy(") and f"rank {rank} of 2" in result["launched"]
+    alone = json.loads((tmp_path / "none" / "rank0.json").read_text())
+    assert alone["gradient_bytes"] == (8 * 8 * 3 * 4 + 4) * 4 and len(alone["step_seconds"]) == 3
