@@ -3,7 +3,8 @@ sends from each rank, and numpy's sum of them split as Horovod splits it.
 
 `check(ranks)` compares every rank's results ({rank: reducescatter_checks() dict}) with numpy's:
 exactly for integer-valued inputs (every order of summation gives the same), within 1e-5 for
-random float32 values.
+random float32 values. The same launch checks Gloo's allgather and alltoall (patch 0013 reorders
+their sends and receives): `gather_inputs` and `check_gathers`.
 """
 
 import numpy as np
@@ -52,3 +53,38 @@ def check(ranks):
                 np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-5, err_msg=f"{name}, rank {rank} of {size}")
             else:
                 np.testing.assert_array_equal(mine, want, err_msg=f"{name}, rank {rank} of {size}")
+
+
+def gather_inputs(rank, size):
+    """(allgather input, alltoall input, alltoall splits) of `rank`: rows of 1,000 values that
+    name their sender, receiver and row; a different row count from each rank and to each rank,
+    with some blocks of 3 MB (several socket buffers) and one empty block."""
+    gather_rows = 800 * (rank + 1)
+    splits = [(rank + 2 * j) % 3 * 400 for j in range(size)]
+    splits[(rank + 1) % size] += 1
+
+    def rows(count, sender, receiver):
+        return (sender * 1e6 + receiver * 1e4 + np.arange(count)[:, None] + np.zeros((1, 1000))).astype(np.float32)
+
+    to_all = np.concatenate([rows(n, rank, j) for j, n in enumerate(splits)])
+    return rows(gather_rows, rank, size), to_all, splits
+
+
+def rows_summary(array):
+    """A received [rows, 1000] array, small enough for the results file: each row's first and last
+    value and its float64 sum (a row holds one value 1,000 times)."""
+    array = np.asarray(array)
+    return {"first": array[:, 0].tolist(), "last": array[:, -1].tolist(),
+            "sums": array.astype(np.float64).sum(axis=1).tolist()}
+
+
+def check_gathers(ranks):
+    """Every rank received every rank's rows, in rank order. `ranks`: {rank: reducescatter_checks() dict}."""
+    size = len(ranks)
+    inputs = [gather_inputs(r, size) for r in range(size)]
+    gathered = rows_summary(np.concatenate([i[0] for i in inputs]))
+    for rank, got in ranks.items():
+        assert got["allgather"] == gathered, f"allgather, rank {rank} of {size}"
+        blocks = [np.split(i[1], np.cumsum(i[2])[:-1])[rank] for i in inputs]
+        assert got["alltoall"] == rows_summary(np.concatenate(blocks)), f"alltoall, rank {rank} of {size}"
+        assert got["alltoall_received_splits"] == [len(b) for b in blocks], rank

@@ -63,11 +63,12 @@ def test_bf16_allreduce_on_gloo_is_numpys_float32_sum_rounded_once(tmp_path_fact
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_reducescatter_on_gloo_gives_each_rank_numpys_sum_of_its_share(tmp_path_factory, ranks):
+def test_reducescatter_allgather_and_alltoall_on_gloo_give_each_rank_numpys_result(tmp_path_factory, ranks):
     results = ranks_job(ranks, tmp_path_factory)
     scattered = {r: results[r]["reducescatter"] for r in range(ranks)}
     assert scattered[0]["controller"] == "gloo"
     reducescatter_reference.check(scattered)
+    reducescatter_reference.check_gathers(scattered)
 
 
 def _largest_difference(a, b):

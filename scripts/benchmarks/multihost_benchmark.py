@@ -29,6 +29,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -289,7 +290,7 @@ def main(argv=None):
         meta["timelines"] = {}
         for name in args.timeline:
             job += 1
-            path = os.path.abspath(f"{args.out}-timeline-{name.replace(':', '_')}.json")
+            path = os.path.abspath(f"{args.out}-timeline-{re.sub(r'[:/]', '_', name)}.json")  # ready/sharded
             try:
                 result = launch(hosts, name, args, os.path.join(args.work, f"{job}-timeline"), job, timeline=path)
                 found = timeline_overlap.analyse(path, summarize(runs, args, measured)["baseline_ms"])

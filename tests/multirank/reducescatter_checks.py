@@ -1,4 +1,5 @@
-"""Horovod's reduce-scatter on real ranks (tfdist's patch 0011: Gloo's is a pipelined ring).
+"""Horovod's reduce-scatter on real ranks (tfdist's patch 0011: Gloo's is a pipelined ring), and its
+allgather and alltoall (patch 0013: Gloo posts their receives first).
 
     horovodrun -np 3 --gloo python tests/multirank/reducescatter_checks.py --out DIR
 
@@ -8,7 +9,7 @@ buffer), float32 segments of several 1 MiB ring pieces, first dimensions that do
 rank count or are smaller than it, float16, float64 and int32. Integer-valued floats keep every sum
 exact in any order; one float32 case of random values is compared within a tolerance.
 tests/reducescatter_reference.py recomputes each rank's share in numpy from every rank's inputs
-(tests/test_clipping.py calls it).
+(tests/test_clipping.py calls it), and checks the gathered rows (`check_gathers`).
 """
 
 import os
@@ -20,7 +21,7 @@ from common import quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
-from reducescatter_reference import ALONE, GROUPED, rank_inputs  # noqa: E402
+from reducescatter_reference import ALONE, GROUPED, gather_inputs, rank_inputs, rows_summary  # noqa: E402
 
 
 def reducescatter_checks():
@@ -37,6 +38,10 @@ def reducescatter_checks():
     grouped = hvd.grouped_reducescatter([tf.constant(inputs[name]) for name in GROUPED], op=hvd.Sum)
     for name, out in zip(GROUPED, grouped):
         results[name], results[f"dtype:{name}"] = out.numpy().tolist(), out.dtype.name
+    mine, to_all, splits = gather_inputs(hvd.rank(), hvd.size())
+    results["allgather"] = rows_summary(hvd.allgather(tf.constant(mine), name="tfdist_gather_check").numpy())
+    received, received_splits = hvd.alltoall(tf.constant(to_all), splits=splits, name="tfdist_alltoall_check")
+    results["alltoall"], results["alltoall_received_splits"] = rows_summary(received.numpy()), received_splits.numpy().tolist()
     return results
 
 

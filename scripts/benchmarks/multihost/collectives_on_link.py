@@ -7,7 +7,8 @@ core of its own, started as scripts/benchmarks/multihost_benchmark.py starts its
 step's variables; HorovodStrategy() runs the Gloo rendezvous). Each rank times, in a tf.function,
 the allreduce of one tensor of --elements values in float32, bfloat16 and float16, then the
 alltoall and allgather that tfdist's bfloat16 allreduce is made of (Horovod has no bfloat16
-alltoall: float16 moves the same bytes), best of --repeats after one untimed call. Prints rank
+alltoall: float16 moves the same bytes), and the float32 reduce-scatter and allgather of the sharded
+exchange, best of --repeats after one untimed call. Prints rank
 0's milliseconds and writes them, with the link and the command, to <out>.json.
 """
 
@@ -53,6 +54,11 @@ def rank_main(args):
             lambda x: hvd.allgather(x, name="allgather_half"), tf.cast(base[: args.elements // 2], tf.bfloat16))
     best_ms(f"alltoall float32 {mb * 4:.0f} MB ({mb * 2:.0f} MB to the other rank)",
             lambda x: hvd.alltoall(x, name="alltoall_float"), base)
+    # the sharded exchange (shard_optimizer_state=True): the allreduce's two halves, as two collectives
+    best_ms(f"reducescatter float32 {mb * 4:.0f} MB",
+            lambda x: hvd.reducescatter(x, op=hvd.Sum, name="reducescatter_float"), base)
+    best_ms(f"allgather float32 {mb * 4 / hvd.size():.0f} MB from each rank",
+            lambda x: hvd.allgather(x, name="allgather_float"), base[: args.elements // hvd.size()])
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
             json.dump(results, f)
