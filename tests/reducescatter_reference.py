@@ -21,7 +21,7 @@ def rank_inputs(rank, size):
         return rng.integers(-bound, bound + 1, size=shape).astype(dtype)
 
     return {
-        "large": integers((size * 700_001,), np.float32),  # each segment: 3 ring pieces (1 MiB each)
+        "large": integers((size * 1_300_001,), np.float32),  # each segment: 5 ring pieces of 1 MiB, 4 in flight
         "uneven": integers((2 * size + 1, 1000), np.float32),  # the first ranks get one row more
         "fewer_rows": integers((size - 1, 3), np.float32),  # the last rank gets no row
         "half": integers((size * 5 + 2, 7), np.float16, bound=20),

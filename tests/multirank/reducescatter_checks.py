@@ -4,8 +4,9 @@ allgather and alltoall (patch 0013: Gloo posts their receives first).
     horovodrun -np 3 --gloo python tests/multirank/reducescatter_checks.py --out DIR
 
 `reducescatter_checks()` also runs inside the clipping launches (Gloo, 2 and 4 ranks). Each rank
-reduce-scatters tensors of its own, `rank_inputs(rank, size)`: alone and grouped (Horovod's fusion
-buffer), float32 segments of several 1 MiB ring pieces, first dimensions that do not divide by the
+reduce-scatters tensors of its own, `rank_inputs(rank, size)`: alone (on 2 ranks patch 0014's
+path, input and output in place) and grouped (Horovod's fusion buffer), float32 segments of more
+1 MiB ring pieces than travel at once, first dimensions that do not divide by the
 rank count or are smaller than it, float16, float64 and int32. Integer-valued floats keep every sum
 exact in any order; one float32 case of random values is compared within a tolerance.
 tests/reducescatter_reference.py recomputes each rank's share in numpy from every rank's inputs

@@ -1,6 +1,7 @@
 """Horovod's collectives alone on an emulated link: which one is slow, and by how much.
 
     .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --out /tmp/collectives
+    .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --sizes_mb 12 24 48 --out /tmp/gathers
 
 Two network namespaces on a shaped veth pair (tests/emulate_hosts.py), one rank per host on a
 core of its own, started as scripts/benchmarks/multihost_benchmark.py starts its ranks (an srun
@@ -8,7 +9,8 @@ step's variables; HorovodStrategy() runs the Gloo rendezvous). Each rank times, 
 the allreduce of one tensor of --elements values in float32, bfloat16 and float16, then the
 alltoall and allgather that tfdist's bfloat16 allreduce is made of (Horovod has no bfloat16
 alltoall: float16 moves the same bytes), and the float32 reduce-scatter and allgather of the sharded
-exchange, best of --repeats after one untimed call. Prints rank
+exchange, best of --repeats after one untimed call. With --sizes_mb, only a float32 allgather and
+alltoall of each size. Prints rank
 0's milliseconds and writes them, with the link and the command, to <out>.json.
 """
 
@@ -44,6 +46,14 @@ def rank_main(args):
             times.append(time.perf_counter() - started)
         results[label] = round(min(times) * 1e3, 1)
 
+    if args.sizes_mb:  # allgather and alltoall alone, size by size (patch 0013: each at the link's rate)
+        for size_mb in args.sizes_mb:
+            n = int(size_mb * 2 ** 20 / 4)
+            best_ms(f"allgather float32 {size_mb:g} MB from each rank",
+                    lambda x, k=size_mb: hvd.allgather(x, name=f"allgather_{k:g}"), base[:n])
+            best_ms(f"alltoall float32 {size_mb * hvd.size():g} MB ({size_mb:g} MB to each other rank)",
+                    lambda x, k=size_mb: hvd.alltoall(x, name=f"alltoall_{k:g}"), tf.tile(base[:n], [hvd.size()]))
+        return write(args, hvd, results)
     mb = args.elements / 2 ** 20
     for dtype in (tf.float32, tf.bfloat16, tf.float16):
         best_ms(f"allreduce {dtype.name} {mb * dtype.size:.0f} MB",
@@ -59,6 +69,10 @@ def rank_main(args):
             lambda x: hvd.reducescatter(x, op=hvd.Sum, name="reducescatter_float"), base)
     best_ms(f"allgather float32 {mb * 4 / hvd.size():.0f} MB from each rank",
             lambda x: hvd.allgather(x, name="allgather_float"), base[: args.elements // hvd.size()])
+    return write(args, hvd, results)
+
+
+def write(args, hvd, results):
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
             json.dump(results, f)
@@ -70,6 +84,7 @@ def main(argv=None):
     parser.add_argument("--delay_ms", type=float, default=0.0)
     parser.add_argument("--elements", type=int, default=12288 * 2048, help="the wide MLP's largest kernel")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes_mb", type=float, nargs="+", help="instead: float32 allgather and alltoall of each size")
     parser.add_argument("--out", help="write <out>.json")
     parser.add_argument("--result", help=argparse.SUPPRESS)  # set on the ranks
     args = parser.parse_args(argv)
@@ -84,7 +99,7 @@ def main(argv=None):
         measured = hosts.measure_rate(0, 1, 32 << 20)
         result = os.path.join(scratch, "rank0.json")
         argv = [sys.executable, os.path.abspath(__file__), "--elements", str(args.elements), "--repeats",
-                str(args.repeats), "--result", result]
+                str(args.repeats), "--result", result, *(["--sizes_mb", *map(str, args.sizes_mb)] if args.sizes_mb else [])]
         procs = []
         for r in range(2):
             env = {**bench.clean_env(), **bench.rank_env(hosts, "ready", r, job), **bench.THREADS}
