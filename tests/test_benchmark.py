@@ -140,6 +140,19 @@ def test_resnet50_v15_has_the_reference_parameter_count():
     assert strides["conv3_block1_2_conv"] == (2, 2) and strides["conv3_block1_1_conv"] == (1, 1)
 
 
+def test_resnet20_has_the_cifar_resnets_size():
+    from tfdist.benchmark.models import build_model
+
+    from tfdist.keras.flavour import keras_module
+
+    model = build_model(keras_module(), "resnet20", 32, 10)
+    # He et al.'s 0.27 M: stem 432 + BN 32, stages 14,016 + 51,648 + 205,696 (1x1 projections and
+    # their BN included), logits 650; plus BatchNorm's moving mean and variance (784 channels)
+    trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert trainable == 272_474 and model.count_params() == trainable + 2 * 784
+    assert tuple(model.layers[1].get_layer("avg_pool").input.shape) == (None, 8, 8, 64)
+
+
 def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
     script("tfdist-benchmark", [*TINY, "--variable_update", "none", "--profile_dir", tmp_path / "prof"])
     out = script("tfdist-profile", [tmp_path / "prof", tmp_path / "prof", "--top", "5"])
@@ -155,7 +168,7 @@ def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
     (["--learning_rate", "-0.1"], "argument --learning_rate: -0.1 is not positive"),
     (["--target_accuracy", "90"], "argument --target_accuracy: 90 is not in (0, 1]"),
     (["--model", "resnet5O"], "unknown model 'resnet5O': did you mean 'resnet50'? known models: resnet50, "
-                              "resnet50_v1.5, mnist_cnn, trivial; or give your own as module:function"),
+                              "resnet50_v1.5, resnet20, mnist_cnn, trivial; or give your own as module:function"),
     (["--model", "vgg16"], "unknown model 'vgg16': known models: resnet50,"),
 ])
 def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):

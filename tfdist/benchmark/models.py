@@ -6,6 +6,8 @@
 - resnet50: `keras.applications.ResNet50` (v1: the stride-2 of each stage sits in its first 1x1 conv).
 - resnet50_v1.5: the variant tf_cnn_benchmarks, NVIDIA and MLPerf train: the stride sits in the 3x3
   conv, which costs about 5% more FLOPs and gains about 0.5% top-1.
+- resnet20: the CIFAR ResNet of He et al. (2015) that tf_cnn_benchmarks also has: a 3x3 stem of 16
+  filters, three stages of 3 basic blocks (16, 32, 64 filters), 0.27 M parameters; small inputs.
 - mnist_cnn: the classic Keras MNIST CNN (two convs, max-pool, dropout, two dense layers).
 - trivial: flatten + dense, to measure the input pipeline and framework overhead.
 
@@ -13,7 +15,7 @@ Every model ends in a float32 softmax (`tfdist.precision.float32_softmax`), so m
 keeps the loss in float32.
 """
 
-MODELS = ("resnet50", "resnet50_v1.5", "mnist_cnn", "trivial")
+MODELS = ("resnet50", "resnet50_v1.5", "resnet20", "mnist_cnn", "trivial")
 
 
 def model_name(name):
@@ -45,6 +47,8 @@ def build_model(keras, name, image_size, num_classes):
                                              classifier_activation=None)
     elif name == "resnet50_v1.5":
         logits = resnet50_v15(keras, shape, num_classes)
+    elif name == "resnet20":
+        logits = resnet20(keras, shape, num_classes)
     elif name == "mnist_cnn":
         logits = keras.Sequential([
             keras.Input(shape),
@@ -60,25 +64,26 @@ def build_model(keras, name, image_size, num_classes):
     return float32_softmax(logits)
 
 
+def _conv_bn(layers, x, filters, kernel, stride=1, relu=True, name=""):
+    x = layers.Conv2D(filters, kernel, strides=stride, padding="same", use_bias=False,
+                      kernel_initializer="he_normal", name=name + "_conv")(x)
+    x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name + "_bn")(x)
+    return layers.Activation("relu", name=name + "_relu")(x) if relu else x
+
+
 def resnet50_v15(keras, input_shape, num_classes):
     """ResNet50 v1.5 returning logits: bottleneck blocks [3, 4, 6, 3], stride in the 3x3 conv."""
     layers = keras.layers
 
-    def conv_bn(x, filters, kernel, stride=1, relu=True, name=""):
-        x = layers.Conv2D(filters, kernel, strides=stride, padding="same", use_bias=False,
-                          kernel_initializer="he_normal", name=name + "_conv")(x)
-        x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name + "_bn")(x)
-        return layers.Activation("relu", name=name + "_relu")(x) if relu else x
-
     def bottleneck(x, filters, stride, project, name):
-        shortcut = conv_bn(x, 4 * filters, 1, stride, relu=False, name=name + "_proj") if project else x
-        y = conv_bn(x, filters, 1, name=name + "_1")
-        y = conv_bn(y, filters, 3, stride, name=name + "_2")
-        y = conv_bn(y, 4 * filters, 1, relu=False, name=name + "_3")
+        shortcut = _conv_bn(layers, x, 4 * filters, 1, stride, relu=False, name=name + "_proj") if project else x
+        y = _conv_bn(layers, x, filters, 1, name=name + "_1")
+        y = _conv_bn(layers, y, filters, 3, stride, name=name + "_2")
+        y = _conv_bn(layers, y, 4 * filters, 1, relu=False, name=name + "_3")
         return layers.Activation("relu", name=name + "_out")(layers.Add(name=name + "_add")([shortcut, y]))
 
     inputs = keras.Input(input_shape)
-    x = conv_bn(inputs, 64, 7, 2, name="stem")
+    x = _conv_bn(layers, inputs, 64, 7, 2, name="stem")
     x = layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
     for stage, (filters, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3)), start=2):
         for block in range(blocks):
@@ -87,3 +92,20 @@ def resnet50_v15(keras, input_shape, num_classes):
     x = layers.GlobalAveragePooling2D(name="avg_pool")(x)
     logits = layers.Dense(num_classes, name="logits")(x)
     return keras.Model(inputs, logits, name="resnet50_v1_5")
+
+
+def resnet20(keras, input_shape, num_classes):
+    """ResNet-20 for small images, returning logits: basic blocks [3, 3, 3] of 16, 32 and 64 filters;
+    a block that halves the size projects its shortcut (1x1 conv and BatchNorm)."""
+    layers = keras.layers
+    inputs = keras.Input(input_shape)
+    x = _conv_bn(layers, inputs, 16, 3, name="stem")
+    for stage, filters in enumerate((16, 32, 64), start=1):
+        for block in range(3):
+            name, stride = f"stage{stage}_block{block + 1}", 2 if block == 0 and stage > 1 else 1
+            shortcut = _conv_bn(layers, x, filters, 1, stride, relu=False, name=name + "_proj") if stride > 1 else x
+            y = _conv_bn(layers, x, filters, 3, stride, name=name + "_1")
+            y = _conv_bn(layers, y, filters, 3, relu=False, name=name + "_2")
+            x = layers.Activation("relu", name=name + "_out")(layers.Add(name=name + "_add")([shortcut, y]))
+    x = layers.GlobalAveragePooling2D(name="avg_pool")(x)
+    return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name="resnet20")
