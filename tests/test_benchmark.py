@@ -170,6 +170,7 @@ def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
     (["--model", "resnet5O"], "unknown model 'resnet5O': did you mean 'resnet50'? known models: resnet50, "
                               "resnet50_v1.5, resnet20, mnist_cnn, trivial; or give your own as module:function"),
     (["--model", "vgg16"], "unknown model 'vgg16': known models: resnet50,"),
+    (["--lr_decay", "polynomial"], "--lr_decay needs --epochs"),
 ])
 def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
     code = ("import sys\nfrom tfdist.benchmark import run\n"

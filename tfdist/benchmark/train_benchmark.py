@@ -230,6 +230,8 @@ def main():
         args.keras = "tf_keras"
     if args.epochs and not args.data_dir:
         PARSER.error("--epochs needs --data_dir (a real dataset to reach an accuracy on)")
+    if args.lr_decay != "none" and not args.epochs:
+        PARSER.error("--lr_decay needs --epochs (it decays to 0 at the last step of the last epoch)")
     if args.epochs and args.variable_update in ("horovod", "mwms"):
         PARSER.error(f"--epochs (accuracy runs) is for --variable_update tfdist or none, not {args.variable_update}")
     if args.compression:

@@ -9,9 +9,9 @@ step's variables; HorovodStrategy() runs the Gloo rendezvous). Each rank times, 
 the allreduce of one tensor of --elements values in float32, bfloat16 and float16, then the
 alltoall and allgather that tfdist's bfloat16 allreduce is made of (Horovod has no bfloat16
 alltoall: float16 moves the same bytes), and the float32 reduce-scatter and allgather of the sharded
-exchange, best of --repeats after one untimed call. With --sizes_mb, only a float32 allgather and
-alltoall of each size. Prints rank
-0's milliseconds and writes them, with the link and the command, to <out>.json.
+exchange, best of --repeats after one untimed call; with --sizes_mb, only a float32 allgather and
+alltoall of each size. Prints rank 0's milliseconds and writes them, with the link and the
+command, to <out>.json.
 """
 
 import argparse
