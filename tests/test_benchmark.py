@@ -215,3 +215,26 @@ def test_multihost_worker_trains_its_steps_on_each_rank(tmp_path):
         assert result["launched"].startswith("HorovodStrategy(") and f"rank {rank} of 2" in result["launched"]
     alone = json.loads((tmp_path / "none" / "rank0.json").read_text())
     assert alone["gradient_bytes"] == (8 * 8 * 3 * 4 + 4) * 4 and len(alone["step_seconds"]) == 3
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) % 2 == 1, reason="needs an even number of cores")
+def test_ranks_per_node_runs_each_config_where_it_says_and_its_model_adds_up(tmp_path):
+    """scripts/benchmarks/ranks_per_node.py: `two` is 2 Horovod ranks, `apart` two one-rank
+    processes on disjoint halves of the cores at once, `alone` one of them; two/one = 1/(s k + x)."""
+    import os
+
+    out = tmp_path / "rpn"
+    script("benchmarks/ranks_per_node.py", ["--global_batch", "8", "--repeats", "1", "--out", out, "--",
+                                            "--model", "trivial", "--image_size", "8", "--num_classes", "4",
+                                            "--num_warmup_batches", "1", "--num_batches", "2"])
+    data = json.loads(out.with_suffix(".json").read_text())
+    runs = data["by_batch"]["8"]["runs"]
+    assert [r["ranks"] for r in runs["two"][0]] == [2] and runs["two"][0][0]["global_batch"] == 8
+    cores = sorted(os.sched_getaffinity(0))
+    apart = [r["in_effect"]["cpus"] for r in runs["apart"][0]]
+    assert sorted(apart) == [cores[:len(cores) // 2], cores[len(cores) // 2:]], apart
+    assert [r["in_effect"]["cpus"] for r in runs["alone"][0]] == [cores[:len(cores) // 2]]
+    assert all(r["ranks"] == 1 and r["global_batch"] == 4 for r in runs["apart"][0] + runs["alone"][0])
+    model = data["by_batch"]["8"]["model"]
+    assert model["two_over_one"] == pytest.approx(1 / (model["split"] * model["contention"] + model["exchange_share"]))
+    assert "| 8 |" in out.with_suffix(".md").read_text()

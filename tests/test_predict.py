@@ -146,3 +146,23 @@ def test_command_models_both_exchanges_and_refuses_sharded_with_compressors(caps
         predict.main(["--compute_ms", "100", "--gradient_mb", "10", "--bandwidth_gbit", "1", "--exchange", "sharded",
                       "--compression", "topk:0.01"])
     assert "--exchange sharded" in capsys.readouterr().err
+
+
+def test_exchange_cpu_on_a_cpu_node_stretches_the_step_by_its_cores_share(capsys):
+    rank = predict.Rank(compute_s=2.0, gradient_bytes=100 * 2**20)
+    link = predict.Link(bandwidth_gbit=100, latency_us=0)
+    plain = predict.table(rank, link, [1, 2, 4], 2, 0, 8)
+    rows = predict.table(rank, link, [1, 2, 4], 2, 0, 8, cpu_ms_per_mb=2.0, cores_per_node=2)
+    assert rows[0]["cpu_ms"] == 0 and rows[0]["step_ms"] == plain[0]["step_ms"]
+    # 2 ranks on a 2-core node: 2 CPU-ms a MB of 100 MB on one core each, all of it on the step
+    assert rows[1]["cpu_ms"] == pytest.approx(200.0)
+    assert rows[1]["step_ms"] == pytest.approx(plain[1]["step_ms"] + 200.0)
+    # 4 ranks: 2(N-1)/N = 1.5 of it, still one core a rank
+    assert rows[2]["cpu_ms"] == pytest.approx(300.0)
+    wide = predict.table(rank, link, [2], 2, 0, 8, cpu_ms_per_mb=2.0, cores_per_node=32)
+    assert wide[0]["cpu_ms"] == pytest.approx(200.0 / 16)  # 16 cores a rank share it
+    assert rows[1]["efficiency"] < wide[0]["efficiency"] < 1
+    with pytest.raises(SystemExit):
+        predict.main(["--compute_ms", "2000", "--gradient_mb", "100", "--bandwidth_gbit", "100",
+                      "--exchange_cpu_ms_per_mb", "2"])
+    assert "--exchange_cpu_ms_per_mb needs --cores_per_node" in capsys.readouterr().err

@@ -144,7 +144,7 @@ def main():
         "arrays": run("arrays", array_pipelines(arrays, args.array_batch_size), args,
                       args.array_batch_size, arrays.records // args.array_batch_size),
     }
-    print(f"\n| dataset | pipeline | median records/s | min | max | vs naive |\n|---|---|---|---|---|---|")
+    print("\n| dataset | pipeline | median records/s | min | max | vs naive |\n|---|---|---|---|---|---|")
     summary = {}
     for kind, runs in results.items():
         naive = statistics.median(runs["naive"])

@@ -35,6 +35,12 @@ optimizer update (`--update_ms`, its share of `--compute_ms`); the state MB colu
 optimizer state per rank (`--state_slots` copies of the gradient, 1/N of them plus the working
 copy of the slice when sharded).
 
+The exchange's CPU on CPU nodes (`--exchange_cpu_ms_per_mb X --cores_per_node C`): a rank spends X
+CPU-ms a gradient MB copying and summing what it exchanges (X as measured on 2 ranks, where each
+rank sends and receives its gradient's size; 2(N-1)/N of that at N ranks), on cores that are
+computing, so its step grows by that CPU time over its C / ranks_per_node cores (the `cpu ms`
+column). `scripts/benchmarks/ranks_per_node.py` measures X (ResNet50 on a 2-core Zen 4: 4.5 CPU-ms a MB).
+
 Calibration: `--calibrate_one_collective_ms S --calibrate_ranks N` replaces the link's nominal
 bandwidth by the one that makes the one-collective prediction at N ranks equal a measured step S
 (`effective_bandwidth`). It folds in what the nominal rate leaves out (per-collective overhead,
@@ -161,18 +167,27 @@ def _entries(shape):
     return math.prod(shape) if shape else 1
 
 
+def exchange_cpu_s(wire_bytes, ranks, cpu_ms_per_mb, cores_per_rank):
+    """Seconds a rank's step grows by when its cores also copy and sum its exchange (see the docstring)."""
+    if ranks <= 1 or not cpu_ms_per_mb:
+        return 0.0
+    return cpu_ms_per_mb * 1e-3 * wire_bytes / MB * 2 * (ranks - 1) / ranks / cores_per_rank
+
+
 def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, compression="none", shapes=None,
-          gflops=20.0, sharded=False, update_s=0.0, slots=2):
+          gflops=20.0, sharded=False, update_s=0.0, slots=2, cpu_ms_per_mb=0.0, cores_per_node=None):
     rows = []
     for n in ranks_list:
         this, wire, extra = compressed(rank, shapes, compression, n, gflops)
+        cpu = exchange_cpu_s(wire, n, cpu_ms_per_mb, (cores_per_node or 1) / min(ranks_per_node, n))
+        this = dataclasses.replace(this, compute_s=this.compute_s + cpu)
         if sharded:
             step, exposed, busy = sharded_step_time(this, link, n, min(ranks_per_node, n), bucket_bytes, update_s)
         else:
             step, exposed, busy = step_time(this, link, n, min(ranks_per_node, n), bucket_bytes)
         rows.append({"ranks": n, "step_ms": step * 1e3, "exposed_ms": exposed * 1e3,
                      "comm_ms": busy * 1e3, "efficiency": rank.compute_s / step, "wire_mb": wire / MB,
-                     "compress_ms": extra * 1e3, "state_mb": state_bytes(rank, slots, n, sharded) / MB,
+                     "compress_ms": extra * 1e3, "cpu_ms": cpu * 1e3, "state_mb": state_bytes(rank, slots, n, sharded) / MB,
                      "images_per_sec": n * batch_per_rank / step if batch_per_rank else None})
     return rows
 
@@ -237,7 +252,14 @@ def main(argv=None):
                         help="the optimizer update's share of --compute_ms (sharded: each rank does 1/N)")
     parser.add_argument("--state_slots", type=argtypes.nonnegative_float, default=2,
                         help="optimizer slots per weight, for the state MB column (Adam 2, momentum 1)")
+    parser.add_argument("--exchange_cpu_ms_per_mb", type=argtypes.nonnegative_float, default=0.0,
+                        help="CPU nodes: a rank's CPU-ms per gradient MB for copying and summing its exchange "
+                             "(measured on 2 ranks by scripts/benchmarks/ranks_per_node.py); needs --cores_per_node")
+    parser.add_argument("--cores_per_node", type=argtypes.positive_int,
+                        help="cores a node's ranks share (with --exchange_cpu_ms_per_mb)")
     args = parser.parse_args(argv)
+    if args.exchange_cpu_ms_per_mb and not args.cores_per_node:
+        parser.error("--exchange_cpu_ms_per_mb needs --cores_per_node (the ranks of a node share its cores)")
     if not 0 < args.backward_fraction <= 1:
         parser.error(f"--backward_fraction {args.backward_fraction}: expected a fraction in (0, 1]")
     rank = Rank(args.compute_ms / 1e3, args.gradient_mb * MB, args.backward_fraction)
@@ -269,18 +291,19 @@ def main(argv=None):
                 label = (name if method == "none" else f"{name}, {method}") + (", sharded" if exchange == "sharded" else "")
                 results[label] = table(rank, link, args.ranks, args.ranks_per_node, size, args.batch_per_rank,
                                        method, shapes, args.compress_gflops, exchange == "sharded",
-                                       args.update_ms / 1e3, args.state_slots)
+                                       args.update_ms / 1e3, args.state_slots, args.exchange_cpu_ms_per_mb,
+                                       args.cores_per_node)
     print(f"{args.compute_ms:g} ms compute, {args.gradient_mb:g} MB gradients, {args.bandwidth_gbit:g} Gbit/s, "
           f"{args.latency_us:g} us, {args.ranks_per_node} rank(s) per node")
     print("| schedule | ranks | step ms | exposed comm ms | comm ms | efficiency | images/s | wire MB | "
-          "compress ms | state MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "compress ms | cpu ms | state MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, rows in results.items():
         for r in rows:
             images = f"{r['images_per_sec']:.1f}" if r["images_per_sec"] else "-"
             print(f"| {name} | {r['ranks']} | {r['step_ms']:.1f} | {r['exposed_ms']:.1f} | {r['comm_ms']:.1f} | "
                   f"{r['efficiency']:.1%} | {images} | {r['wire_mb']:.2f} | {r['compress_ms']:.1f} | "
-                  f"{r['state_mb']:.1f} |")
+                  f"{r['cpu_ms']:.1f} | {r['state_mb']:.1f} |")
     if args.png:
         plot(results, args)
     return 0
