@@ -171,6 +171,7 @@ def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
                               "resnet50_v1.5, resnet20, mnist_cnn, trivial; or give your own as module:function"),
     (["--model", "vgg16"], "unknown model 'vgg16': known models: resnet50,"),
     (["--lr_decay", "polynomial"], "--lr_decay needs --epochs"),
+    (["--loss_scale", "--variable_update", "horovod"], "--loss_scale is for the Keras modes"),
 ])
 def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
     code = ("import sys\nfrom tfdist.benchmark import run\n"
@@ -238,3 +239,14 @@ def test_ranks_per_node_runs_each_config_where_it_says_and_its_model_adds_up(tmp
     model = data["by_batch"]["8"]["model"]
     assert model["two_over_one"] == pytest.approx(1 / (model["split"] * model["contention"] + model["exchange_share"]))
     assert "| 8 |" in out.with_suffix(".md").read_text()
+
+
+def test_multihost_worker_passes_loss_scale_through_tfdist_benchmarks_parser():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mh_worker", ROOT / "scripts/benchmarks/multihost/worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    for flags, expect in (([], False), (["--loss_scale"], True)):
+        args = worker.PARSER.parse_args(["--mode", "tfdist", "--out", "x", *flags])
+        assert worker.benchmark_args(args).loss_scale is expect

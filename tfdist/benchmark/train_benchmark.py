@@ -69,6 +69,8 @@ PARSER.add_argument("--keras", default="keras3", choices=["keras3", "tf_keras"])
 PARSER.add_argument("--no_tuning", action="store_true", help="tfdist: HorovodStrategy(tuning=False)")
 PARSER.add_argument("--onednn", choices=["default", "on", "off"], default="default",
                     help="TF_ENABLE_ONEDNN_OPTS before TensorFlow loads (default: leave it as TF/tuning decide)")
+PARSER.add_argument("--loss_scale", action="store_true", help="wrap the optimizer in Keras' LossScaleOptimizer (a "
+                    "float16 policy does so by itself): its cost in float32, or its exchange during backprop")
 PARSER.add_argument("--fused_batchnorm", choices=["on", "off"], default="on",
                     help="tfdist on Keras 3: BatchNormalization on TensorFlow's fused kernel (HorovodStrategy's default)")
 PARSER.add_argument("--compression", default=None, help="tfdist: HorovodStrategy(compression=...): fp16, "
@@ -119,7 +121,7 @@ def run_keras_fit(args, keras, strategy, rank):
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build_model(keras, args.model, args.image_size, args.num_classes)
         optimizer = keras.optimizers.SGD(learning_rate, momentum=0.9)
-        if getattr(args, "loss_scale", False):  # scripts/benchmarks/multihost: loss scaling without a float16 policy
+        if args.loss_scale:
             optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
         model.compile(optimizer=optimizer,
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla,
@@ -243,6 +245,8 @@ def main():
             PARSER.error(f"--compression: {e}")
         if args.variable_update != "tfdist":
             PARSER.error(f"--compression is for --variable_update tfdist, not {args.variable_update}")
+    if args.loss_scale and args.variable_update == "horovod":
+        PARSER.error("--loss_scale is for the Keras modes (tfdist, mwms, none), not Horovod's own loop")
     if args.precision == "auto" and args.variable_update != "tfdist":
         PARSER.error(f"--precision auto is for --variable_update tfdist; name a policy for {args.variable_update}")
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"

@@ -47,8 +47,8 @@ def benchmark_args(args):
 
     bargs = PARSER.parse_args(["--model", args.model, "--batch_size", str(args.batch_size), "--image_size",
                                str(args.image_size), "--num_classes", str(args.num_classes),
-                               "--num_warmup_batches", str(args.warmup), "--num_batches", str(args.steps)])
-    bargs.loss_scale = args.loss_scale
+                               "--num_warmup_batches", str(args.warmup), "--num_batches", str(args.steps),
+                               *(["--loss_scale"] if args.loss_scale else [])])
     return bargs
 
 
