@@ -92,13 +92,12 @@ def tables(by_batch, cores, batches):
         predicted = b / (b / apart + 2 * first["exchange_cpu_s"] / cores)
         lines.append(f"| {b} | {cells} | {m['two_over_one']:.3f} | {m['split']:.3f} | {m['contention']:.3f} | "
                      f"{m['exchange_cpu_s']:.3f} | {m['exchange_share']:.1%} | {predicted:.2f} |")
-    m = by_batch[batches[0]]["model"]
     per_core = batches[0] / cores
     lines += ["", f"The exchange's share on larger nodes (2 ranks, {per_core:g} images a core, e = "
-              f"{m['exchange_cpu_s']:.3f} CPU-s, {m['cpu_s_per_image']:.3f} CPU-s an image as here):", "",
+              f"{first['exchange_cpu_s']:.3f} CPU-s, {first['cpu_s_per_image']:.3f} CPU-s an image as here):", "",
               "| cores on the node | global batch | x (exchange share) | two/one if s k = 1 |", "|---|---|---|---|"]
     for node_cores in sorted({cores, 16, 32, 64}):
-        share = 2 * m["exchange_cpu_s"] / (per_core * node_cores * m["cpu_s_per_image"])
+        share = 2 * first["exchange_cpu_s"] / (per_core * node_cores * first["cpu_s_per_image"])
         lines.append(f"| {node_cores} | {per_core * node_cores:g} | {share:.2%} | {1 / (1 + share):.3f} |")
     return "\n".join(lines)
 

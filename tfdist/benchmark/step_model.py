@@ -187,7 +187,8 @@ def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, 
             step, exposed, busy = step_time(this, link, n, min(ranks_per_node, n), bucket_bytes)
         rows.append({"ranks": n, "step_ms": step * 1e3, "exposed_ms": exposed * 1e3,
                      "comm_ms": busy * 1e3, "efficiency": rank.compute_s / step, "wire_mb": wire / MB,
-                     "compress_ms": extra * 1e3, "cpu_ms": cpu * 1e3, "state_mb": state_bytes(rank, slots, n, sharded) / MB,
+                     "compress_ms": extra * 1e3, "cpu_ms": cpu * 1e3,
+                     "state_mb": state_bytes(rank, slots, n, sharded) / MB,
                      "images_per_sec": n * batch_per_rank / step if batch_per_rank else None})
     return rows
 
