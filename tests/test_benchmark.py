@@ -126,6 +126,24 @@ def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plot:" in out
 
 
+@pytest.mark.skipif(not __import__("shutil").which("mpirun"), reason="no mpirun: bash scripts/bootstrap.sh --with-mpi")
+def test_scaling_modes_take_a_launcher_variables_and_options(tmp_path):
+    from tfdist import collectives
+
+    if not collectives.horovod().mpi_built():
+        pytest.skip("Horovod was built without MPI")
+    script("tfdist-scaling", ["--ranks", "2", "--modes", "tfdist@mpirun --bucket_mb 0", "HOROVOD_CYCLE_TIME=7 tfdist",
+                              "--repeats", "1", "--global_batch", "8", "--out", tmp_path / "s", "--", *TINY])
+    runs = json.loads((tmp_path / "s.json").read_text())["every_run"]
+    assert sorted(runs) == ["HOROVOD_CYCLE_TIME=7 tfdist/2", "tfdist@mpirun --bucket_mb 0/2"]
+    (mpi,) = runs["tfdist@mpirun --bucket_mb 0/2"]
+    assert mpi["command"][1:4] == ["--launcher", "mpirun", "-np"] and mpi["args"]["bucket_mb"] == 0
+    assert mpi["in_effect"]["open_mpi"] == "yields" and "variables" not in mpi   # tfdist's default under mpirun
+    (gloo,) = runs["HOROVOD_CYCLE_TIME=7 tfdist/2"]
+    assert gloo["variables"] == {"HOROVOD_CYCLE_TIME": "7"} and "horovodrun" in gloo["command"][0]
+    assert gloo["in_effect"]["open_mpi"] is None and "Horovod cycle" not in gloo["tuning"]   # the run's own value
+
+
 def test_resnet50_v15_has_the_reference_parameter_count():
     from tfdist.benchmark.models import build_model
 
@@ -172,6 +190,8 @@ def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
     (["--model", "vgg16"], "unknown model 'vgg16': known models: resnet50,"),
     (["--lr_decay", "polynomial"], "--lr_decay needs --epochs"),
     (["--loss_scale", "--variable_update", "horovod"], "--loss_scale is for the Keras modes"),
+    (["--bucket_mb", "0", "--variable_update", "mwms"], "--bucket_mb is for --variable_update tfdist, not mwms"),
+    (["--bucket_mb", "-1"], "argument --bucket_mb: -1 is negative"),
 ])
 def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
     code = ("import sys\nfrom tfdist.benchmark import run\n"

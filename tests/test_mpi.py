@@ -82,9 +82,29 @@ def test_ranks_run_under_mpi(mpi, keras_flavor, tmp_path_factory):
         startup = launch["startup"]
         assert (startup["route"] == "tfdist-run") == (LAUNCHERS[keras_flavor] == "tfdist-run mpirun"), startup
         assert startup["layout"] == [rank, 2] and not startup["bound_by_launcher"], startup
+        # HorovodStrategy(tuning=False) leaves Open MPI's own default, as Open MPI reports it (MPI_T);
+        # with tuning it yields (test_benchmark's tfdist@mpirun run, test_open_mpi_waiting_... here)
+        assert launch["open_mpi_waiting"] == "spins", launch
     pinned = [set(ranks[r]["launch"]["startup"]["pinned"]) for r in (0, 1)]
     assert not (pinned[0] & pinned[1]), pinned  # each rank its own cores (none pinned: both empty)
     assert reference["launch"]["size"] == 1 and reference["launch"]["ompi_rank"] is None
+    assert reference["launch"]["open_mpi_waiting"] is None, reference["launch"]
+
+
+def test_open_mpi_waiting_is_what_open_mpi_reports_and_the_users_choice_wins(mpi):
+    from tfdist.tuning import horovod_env
+
+    code = ("import tfdist, horovod.tensorflow as hvd; from tfdist.tuning import horovod_env; "
+            "chosen = horovod_env.set_horovod_defaults(); hvd.init(); "
+            "print('WAITING', horovod_env.open_mpi_waiting(), horovod_env.OPEN_MPI_YIELD in chosen)")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    for user, expected in ((None, "yields True"), ("0", "spins False")):
+        env = {k: v for k, v in os.environ.items() if k != horovod_env.OPEN_MPI_YIELD}
+        if user is not None:
+            env[horovod_env.OPEN_MPI_YIELD] = user   # as `mpirun --mca mpi_yield_when_idle 0` sets it
+        done = subprocess.run(["mpirun", *root, "-np", "1", sys.executable, "-c", code], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert f"WAITING {expected}" in done.stdout, (user, done.stdout[-2000:], done.stderr[-2000:])
 
 
 def test_mpirun_two_ranks_equal_one_process_with_global_metrics(mpi, keras_flavor, tmp_path_factory):

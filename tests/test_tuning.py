@@ -147,12 +147,13 @@ def test_apply_sets_threads_or_says_it_is_too_late(late):
 
 
 def test_cpu_jobs_get_a_slower_horovod_cycle_gpu_jobs_keep_the_default(monkeypatch):
-    from tfdist.tuning import plan as tuning
+    from tfdist.tuning import horovod_env as tuning
 
     assert tuning.horovod_defaults(gpus=0)["HOROVOD_CYCLE_TIME"][0] == "10"
     assert tuning.horovod_defaults(gpus=8) == {}
     assert tuning.horovod_defaults(gpus=0, choice={"cycle_time_ms": 1})["HOROVOD_CYCLE_TIME"][0] == "1"
     monkeypatch.delenv("TFDIST_TUNING_CHOICE", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
     monkeypatch.setenv("TFDIST_CACHE_DIR", "/nonexistent-tfdist-cache")
     # what the user set wins, and is not reported as tfdist's choice
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3")
@@ -162,3 +163,25 @@ def test_cpu_jobs_get_a_slower_horovod_cycle_gpu_jobs_keep_the_default(monkeypat
     import os
 
     assert os.environ["HOROVOD_CYCLE_TIME"] == "10"
+
+
+def test_open_mpi_yields_on_cpu_jobs_it_started_unless_the_user_said(monkeypatch):
+    from tfdist.tuning import horovod_env
+
+    yield_variable = horovod_env.OPEN_MPI_YIELD
+    assert horovod_env.horovod_defaults(gpus=0, open_mpi=True)[yield_variable][0] == "1"
+    assert yield_variable not in horovod_env.horovod_defaults(gpus=0)          # Gloo or MPICH: not Open MPI's
+    assert yield_variable not in horovod_env.horovod_defaults(gpus=4, open_mpi=True)   # GPU: Horovod's own choice
+    monkeypatch.setenv("TFDIST_CACHE_DIR", "/nonexistent-tfdist-cache")
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "10")
+    monkeypatch.delenv(yield_variable, raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    assert horovod_env.set_horovod_defaults() == {}
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv(yield_variable, "0")   # mpirun --mca mpi_yield_when_idle 0
+    assert horovod_env.set_horovod_defaults() == {}
+    monkeypatch.delenv(yield_variable)
+    assert list(horovod_env.set_horovod_defaults()) == [yield_variable]
+    import os
+
+    assert os.environ[yield_variable] == "1"

@@ -50,6 +50,7 @@ from tfdist.keras.recognise import multi_rank_strategy_of  # noqa: F401  (this m
 from tfdist.keras.flavour import legacy_requested
 from tfdist.strategy_extended import HorovodExtended
 from tfdist.strategy_options import StrategyOptions
+from tfdist.tuning import horovod_env
 from tfdist.tuning import plan as tuning_lib
 
 if TYPE_CHECKING:
@@ -175,13 +176,13 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             watchdog=watchdog, check_consistency=check_consistency, fingerprint=fingerprint,
             fused_batchnorm=fused_batchnorm, bucket_mb=bucket_mb, shard_optimizer_state=shard_optimizer_state)
         self.options = options
-        tuning_lib.set_horovod_knobs(options.horovod)
+        horovod_env.set_horovod_knobs(options.horovod)
         if options.tuning == "measure":
             from tfdist.tuning import environment
             from tfdist.tuning import tuner
 
             tuner.ensure_measured(*environment.local_layout())
-        horovod_defaults = tuning_lib.set_horovod_defaults() if options.tuning is not False else {}
+        horovod_defaults = horovod_env.set_horovod_defaults() if options.tuning is not False else {}
         collectives.init()
         self.tuning_plan = (tuning_lib.tune_this_rank(options.tuning, horovod_defaults)
                             if options.tuning is not False else None)

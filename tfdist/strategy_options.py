@@ -18,6 +18,7 @@ import inspect
 import numbers
 from typing import Any
 
+from tfdist.tuning import horovod_env
 from tfdist.tuning import plan as tuning_plan
 from tfdist.units import MB
 
@@ -27,7 +28,7 @@ OPS = ("average", "adasum")
 # the knobs set_horovod_knobs knows.
 TUNING_OVERRIDES = tuple(name for name, p in inspect.signature(tuning_plan.make_plan).parameters.items()
                          if p.kind is p.KEYWORD_ONLY)
-HOROVOD_KNOBS = tuple(tuning_plan.HOROVOD_KNOBS)
+HOROVOD_KNOBS = tuple(horovod_env.HOROVOD_KNOBS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@
 For each global batch B, in alternating order (images/s of the whole node):
 
 - `one`: 1 rank on every core, batch B (tfdist, as `tfdist-scaling` runs it);
-- `two`: 2 ranks, B/2 each (tfdist, horovodrun --gloo);
+- `two`: 2 ranks, B/2 each (tfdist, horovodrun --gloo; `--launcher mpirun`: Open MPI's mpirun);
 - `apart`: 2 processes at once, each tfdist alone (one rank, so no exchange) on half of the
   cores (`taskset`; tfdist's tuning then gives it the threads of a rank there), B/2 each;
 - `alone`: one such process by itself, the other half of the cores idle.
@@ -62,9 +62,10 @@ def run_alone(global_batch, extra, scratch, halves):
     return sum(r["total_images_per_sec"] for r in results), results
 
 
-def measure(config, global_batch, extra, scratch, halves):
+def measure(config, global_batch, extra, scratch, halves, launcher="horovodrun"):
     if config in ("one", "two"):
-        result = run_one("tfdist", 1 if config == "one" else 2, global_batch, extra, os.path.join(scratch, "r.json"))
+        mode = "tfdist@mpirun" if launcher == "mpirun" else "tfdist"
+        result = run_one(mode, 1 if config == "one" else 2, global_batch, extra, os.path.join(scratch, "r.json"))
         return result["total_images_per_sec"], [result]
     return run_alone(global_batch, extra, scratch, halves if config == "apart" else halves[:1])
 
@@ -107,6 +108,8 @@ def main():
     parser.add_argument("--global_batch", type=int, nargs="+", default=[16])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="ranks_per_node")
+    parser.add_argument("--launcher", choices=["horovodrun", "mpirun"], default="horovodrun",
+                        help="for one and two: horovodrun --gloo, or Open MPI's mpirun (Horovod's MPI controller)")
     parser.add_argument("extra", nargs="*", help="after --: arguments for tfdist-benchmark")
     args = parser.parse_args()
     if any(b % 2 for b in args.global_batch):
@@ -124,7 +127,7 @@ def main():
     for repeat in range(args.repeats):
         order = [(b, c) for b in args.global_batch for c in CONFIGS]
         for batch, config in (order if repeat % 2 == 0 else order[::-1]):
-            rate, results = measure(config, batch, args.extra, scratch, halves)
+            rate, results = measure(config, batch, args.extra, scratch, halves, args.launcher)
             by_batch[batch]["rates"][config].append(rate)
             by_batch[batch]["runs"][config].append(results)
             print(f"repeat {repeat + 1}: batch {batch:4d} {config:6s} {rate:8.2f} images/s", flush=True)

@@ -40,7 +40,8 @@ def launch_info(strategy):
             "gloo_enabled": bool(hvd.gloo_enabled()), "ompi_rank": os.environ.get("OMPI_COMM_WORLD_RANK"),
             "startup": {k: v for k, v in (tfdist.tuning.startup.state() or {}).items()
                         if k in ("route", "layout", "pinned", "bound_by_launcher")},
-            "keras": keras.__name__}
+            "keras": keras.__name__,
+            "open_mpi_waiting": tfdist.tuning.horovod_env.open_mpi_waiting()}
 
 
 def average_fit(strategy):

@@ -38,7 +38,7 @@ def start(args):
         knobs = {"cycle_time_ms": args.horovod_cycle_time_ms} if args.horovod_cycle_time_ms else {}
         device = {"auto": None, "cpu": "/cpu:0", "gpu": "gpu"}[args.device]
         strategy = HorovodStrategy(device, precision=args.precision, horovod=knobs, compression=args.compression,
-                                   fused_batchnorm=args.fused_batchnorm == "on",
+                                   bucket_mb=args.bucket_mb, fused_batchnorm=args.fused_batchnorm == "on",
                                    tuning=False if args.no_tuning else (overrides or True))
         tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
         from tfdist.keras import fused_batchnorm as keras_fused_batchnorm

@@ -9,12 +9,16 @@ global / ranks). Writes a markdown table (median, min, max images/s, and efficie
 1-rank run of the same mode), a PNG plot (median with min-max bars per mode, against ranks) and
 a JSON file with every run (each run's header, the settings in effect as TensorFlow reported them,
 and every step time, warm-up included and marked). Modes tfdist, horovod and mwms run under horovodrun (mwms derives
-its TF_CONFIG from it); none runs as one plain process.
+its TF_CONFIG from it) over Gloo; a mode ending in `@mpirun` (`tfdist@mpirun`) runs under Open MPI's
+mpirun instead (`tfdist-run --launcher mpirun`; Horovod's MPI controller and collectives); none runs
+as one plain process. A mode may start with variables for its runs, as a shell line does:
+`"OMPI_MCA_mpi_yield_when_idle=0 tfdist@mpirun"`.
 """
 
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -27,19 +31,38 @@ BIN = os.path.dirname(sys.executable)
 
 def run_one(mode, ranks, global_batch, extra, out_json):
     """One benchmark run; `mode` is a --variable_update value, optionally ':tf_keras' or ':keras3',
-    optionally followed by benchmark options of its own: "tfdist --num_inter_threads 2"."""
-    mode, *own_args = shlex.split(mode)
+    optionally '@mpirun', optionally followed by benchmark options of its own: "tfdist --num_inter_threads 2",
+    optionally after variables for this run: "HOROVOD_CYCLE_TIME=40 tfdist"."""
+    words = shlex.split(mode)
+    variables = {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        variables[name] = value
+    if not words:
+        sys.exit(f"mode {mode!r}: no --variable_update value after its variables")
+    mode, *own_args = words
+    mode, _, launcher = mode.partition("@")
+    if launcher not in ("", "mpirun"):
+        sys.exit(f"mode {mode}@{launcher}: the launcher after @ can only be mpirun (default: horovodrun --gloo)")
     mode, _, flavour = mode.partition(":")
     flavour_args = ["--keras", flavour] if flavour else []
     bench = [sys.executable, "-m", "tfdist.benchmark.train_benchmark", "--variable_update", mode, *flavour_args,
              "--batch_size", str(global_batch // ranks), "--json", out_json, *extra, *own_args]
-    command = bench if mode == "none" else [os.path.join(BIN, "horovodrun"), "-np", str(ranks), "--gloo", *bench]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if mode == "none":
+        command = bench
+    elif launcher == "mpirun":
+        command = [os.path.join(BIN, "tfdist-run"), "--launcher", "mpirun", "-np", str(ranks), *bench]
+    else:
+        command = [os.path.join(BIN, "horovodrun"), "-np", str(ranks), "--gloo", *bench]
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, **variables})
     if done.returncode != 0:
         sys.exit(f"benchmark failed (exit {done.returncode}): {' '.join(command)}\n{done.stdout[-4000:]}")
     with open(out_json) as f:
         result = json.load(f)
     result["command"] = command
+    if variables:
+        result["variables"] = variables
     return result
 
 

@@ -75,6 +75,9 @@ PARSER.add_argument("--fused_batchnorm", choices=["on", "off"], default="on",
                     help="tfdist on Keras 3: BatchNormalization on TensorFlow's fused kernel (HorovodStrategy's default)")
 PARSER.add_argument("--compression", default=None, help="tfdist: HorovodStrategy(compression=...): fp16, "
                     "bf16, powersgd[:rank], topk[:density]")
+PARSER.add_argument("--bucket_mb", type=argtypes.nonnegative_float,
+                    help="tfdist: HorovodStrategy(bucket_mb=...): 0 one collective after backprop, else buckets "
+                    "of about that many MB (default: each gradient as it is ready)")
 PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
                     help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
@@ -245,6 +248,8 @@ def main():
             PARSER.error(f"--compression: {e}")
         if args.variable_update != "tfdist":
             PARSER.error(f"--compression is for --variable_update tfdist, not {args.variable_update}")
+    if args.bucket_mb is not None and args.variable_update != "tfdist":
+        PARSER.error(f"--bucket_mb is for --variable_update tfdist, not {args.variable_update}")
     if args.loss_scale and args.variable_update == "horovod":
         PARSER.error("--loss_scale is for the Keras modes (tfdist, mwms, none), not Horovod's own loop")
     if args.precision == "auto" and args.variable_update != "tfdist":

@@ -1,7 +1,8 @@
 """Per-rank CPU/GPU tuning: the plan, its application before TensorFlow loads, and `tfdist-tune`.
 
 `environment` (what the launcher and node say, without TensorFlow), `plan` (cores, threads,
-oneDNN, pinning and GPU for this rank, and what TensorFlow reports in effect), `startup` (the plan
+oneDNN, pinning and GPU for this rank, and what TensorFlow reports in effect), `horovod_env`
+(Horovod's cycle and Open MPI's waiting, before `hvd.init()`), `startup` (the plan
 applied before TensorFlow loads: `import tfdist`, `python -m tfdist --`), `tuner` (`tfdist-tune`),
 `cache` (its choices per machine). Importing this package loads neither TensorFlow nor a submodule.
 
@@ -15,11 +16,13 @@ print(tuning.make_plan(topology).as_dict())
 import importlib
 
 _PLAN_EXPORTS = frozenset({
-    "CPU_CYCLE_TIME_MS", "LATE_FIX", "Plan", "Topology", "announce", "apply", "describe", "detect_topology",
-    "horovod_defaults", "in_effect", "make_plan", "onednn_active", "plan_for_rank", "set_horovod_defaults",
-    "set_horovod_knobs", "tune_this_rank",
+    "LATE_FIX", "Plan", "Topology", "announce", "apply", "describe", "detect_topology", "in_effect", "make_plan",
+    "onednn_active", "plan_for_rank", "tune_this_rank",
 })
-_SUBMODULES = frozenset({"cache", "environment", "plan", "startup", "tuner"})
+_HOROVOD_ENV_EXPORTS = frozenset({
+    "CPU_CYCLE_TIME_MS", "OPEN_MPI_YIELD", "horovod_defaults", "set_horovod_defaults", "set_horovod_knobs",
+})
+_SUBMODULES = frozenset({"cache", "environment", "horovod_env", "plan", "startup", "tuner"})
 
 
 def __getattr__(name):
@@ -27,7 +30,9 @@ def __getattr__(name):
         return importlib.import_module(f"{__name__}.{name}")
     if name in _PLAN_EXPORTS:
         return getattr(importlib.import_module(f"{__name__}.plan"), name)
+    if name in _HOROVOD_ENV_EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.horovod_env"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = sorted(_PLAN_EXPORTS)
+__all__ = sorted(_PLAN_EXPORTS | _HOROVOD_ENV_EXPORTS)

@@ -26,6 +26,12 @@ _LAYOUT_VARIABLES = (
 )
 
 
+def launched_by_open_mpi(env=None):
+    """Whether Open MPI's mpirun started this process (it sets OMPI_COMM_WORLD_SIZE before MPI_Init)."""
+    env = os.environ if env is None else env
+    return "OMPI_COMM_WORLD_SIZE" in env
+
+
 def enabled(env=None):
     return _switch(SWITCH_VARIABLE, env)
 

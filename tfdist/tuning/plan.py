@@ -20,8 +20,8 @@ without AVX-512 VNNI/BF16, where it is worth about 1.45x for ResNet50), and Open
 GPU per local rank (`CUDA_VISIBLE_DEVICES`), memory growth on (`tfdist.tuning.gpu`). A `tfdist-tune`
 measurement cached for this machine (`tfdist.tuning.cache`) replaces these choices. Settings TensorFlow reads when it loads are
 applied before it loads by `tfdist.tuning.startup`; the summary reports what TensorFlow says is in
-effect, never the plan alone. Horovod: CPU-only jobs get a 10 ms background cycle
-(`set_horovod_defaults`, before `hvd.init()`).
+effect, never the plan alone. Horovod's environment (a 10 ms cycle on CPU, Open MPI yielding):
+`tfdist.tuning.horovod_env`.
 """
 
 import dataclasses
@@ -31,8 +31,7 @@ import os
 
 from tfdist import _compat
 from tfdist.tuning import gpu as gpu_lib
-from tfdist.tuning import environment
-from tfdist.units import MB
+from tfdist.tuning import environment, horovod_env
 
 log = logging.getLogger("tfdist")
 
@@ -142,40 +141,6 @@ def _inter_op_threads(asked, cpus, reasons):
     reasons.append(f"inter_op {MIN_INTER_OP_THREADS}, not {was}: one inter-op thread deadlocks a "
                    "tf.function that iterates a distributed dataset")
     return MIN_INTER_OP_THREADS
-
-
-# Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (1 by default) and, over Gloo,
-# exchanges a readiness message with the other ranks each time: measured here, about 3,500
-# context switches a second and 6-8% of a core per idle rank, taken from ranks pinned to few
-# cores. On CPU a training step takes 100s of ms, so a 10 ms cycle costs nothing measurable in
-# latency (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s,
-# docs/benchmarks/records-2026-11-22-intel-xeon.md). GPU steps can
-# be a few ms, so GPU jobs keep Horovod's default.
-CPU_CYCLE_TIME_MS = 10
-
-
-def horovod_defaults(gpus, choice=None):
-    """Environment defaults for Horovod, to set before `hvd.init()`: {variable: (value, reason)}."""
-    measured = (choice or {}).get("cycle_time_ms")
-    if measured:
-        return {"HOROVOD_CYCLE_TIME": (f"{measured:g}", f"Horovod cycle {measured:g} ms (measured by tfdist-tune)")}
-    if gpus:
-        return {}
-    return {"HOROVOD_CYCLE_TIME": (str(CPU_CYCLE_TIME_MS),
-                                   f"Horovod cycle {CPU_CYCLE_TIME_MS} ms (CPU: fewer background wake-ups)")}
-
-
-def set_horovod_defaults(local_size=None):
-    """Set `horovod_defaults` for this machine where the environment does not already say; returns them."""
-    from tfdist.tuning import cache as tuning_cache
-
-    chosen = {}
-    size = local_size or environment.local_layout()[1]
-    for key, (value, reason) in horovod_defaults(environment.gpu_count(), tuning_cache.choice_for(size)).items():
-        if key not in os.environ:
-            os.environ[key] = value
-            chosen[key] = (value, reason)
-    return chosen
 
 
 def detect_topology(local_rank=0, local_size=1, allowed=None, with_tf=True):
@@ -294,7 +259,7 @@ def in_effect():
     return {"onednn": onednn_active(),
             "intra_op_threads": pool(tf.config.threading.get_intra_op_parallelism_threads(), "TF_NUM_INTRAOP_THREADS"),
             "inter_op_threads": pool(tf.config.threading.get_inter_op_parallelism_threads(), "TF_NUM_INTEROP_THREADS"),
-            "cpus": cpus, "gpu": gpu_lib.in_effect()}
+            "cpus": cpus, "gpu": gpu_lib.in_effect(), "open_mpi": horovod_env.open_mpi_waiting()}
 
 
 def describe(effect, plan=None):
@@ -303,6 +268,8 @@ def describe(effect, plan=None):
     parts = [f"intra_op={effect['intra_op_threads'] or tf_default}",
              f"inter_op={effect['inter_op_threads'] or tf_default}",
              f"cpus={_ranges(effect['cpus'])}", f"oneDNN {'on' if effect['onednn'] else 'off'}"]
+    if effect.get("open_mpi"):
+        parts.append(f"Open MPI {effect['open_mpi']}")
     gpus = gpu_lib.describe(effect["gpu"]) if effect.get("gpu") else ""
     if gpus:
         parts.append(gpus)
@@ -366,24 +333,6 @@ def announce(plan, also=()):
 def onednn_active():
     """Whether the loaded TensorFlow runs oneDNN kernels (on by default on some CPUs only)."""
     return _compat.onednn_enabled()
-
-
-HOROVOD_KNOBS = {
-    "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda mb: str(int(mb * MB))),
-    "cycle_time_ms": ("HOROVOD_CYCLE_TIME", str),
-    "timeline": ("HOROVOD_TIMELINE", str),
-    "autotune": ("HOROVOD_AUTOTUNE", lambda on: "1" if on else "0"),
-}
-
-
-def set_horovod_knobs(knobs):
-    """Set `HorovodStrategy(horovod=...)` knobs as HOROVOD_* variables, unless already set."""
-    unknown = set(knobs) - set(HOROVOD_KNOBS)
-    if unknown:
-        raise ValueError(f"unknown horovod option(s) {sorted(unknown)}; expected {sorted(HOROVOD_KNOBS)}")
-    for key, value in knobs.items():
-        env, convert = HOROVOD_KNOBS[key]
-        os.environ.setdefault(env, convert(value))
 
 
 def _ranges(cpus):
