@@ -126,6 +126,17 @@ def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plot:" in out
 
 
+def test_scaling_modes_parse_like_a_shell_line():
+    from tfdist.benchmark.scaling import parse_mode
+
+    assert parse_mode("HOROVOD_CYCLE_TIME=40 A=b=c tfdist:tf_keras@mpirun --no_tuning") == (
+        {"HOROVOD_CYCLE_TIME": "40", "A": "b=c"}, "tfdist", "mpirun", "tf_keras", ["--no_tuning"])
+    assert parse_mode("none") == ({}, "none", "", "", [])
+    for bad, says in (("X=1", "no --variable_update value"), ("tfdist@srun", "can only be mpirun")):
+        with pytest.raises(SystemExit, match=says):
+            parse_mode(bad)
+
+
 @pytest.mark.skipif(not __import__("shutil").which("mpirun"), reason="no mpirun: bash scripts/bootstrap.sh --with-mpi")
 def test_scaling_modes_take_a_launcher_variables_and_options(tmp_path):
     from tfdist import collectives

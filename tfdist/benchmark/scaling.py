@@ -29,10 +29,11 @@ import time
 BIN = os.path.dirname(sys.executable)
 
 
-def run_one(mode, ranks, global_batch, extra, out_json):
-    """One benchmark run; `mode` is a --variable_update value, optionally ':tf_keras' or ':keras3',
-    optionally '@mpirun', optionally followed by benchmark options of its own: "tfdist --num_inter_threads 2",
-    optionally after variables for this run: "HOROVOD_CYCLE_TIME=40 tfdist"."""
+def parse_mode(mode):
+    """A mode -> (variables, --variable_update value, launcher, Keras flavour, options of its own).
+
+    "HOROVOD_CYCLE_TIME=40 tfdist:tf_keras@mpirun --no_tuning" -> ({"HOROVOD_CYCLE_TIME": "40"},
+    "tfdist", "mpirun", "tf_keras", ["--no_tuning"]); no launcher: "" (horovodrun --gloo)."""
     words = shlex.split(mode)
     variables = {}
     while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
@@ -40,11 +41,19 @@ def run_one(mode, ranks, global_batch, extra, out_json):
         variables[name] = value
     if not words:
         sys.exit(f"mode {mode!r}: no --variable_update value after its variables")
-    mode, *own_args = words
-    mode, _, launcher = mode.partition("@")
+    update, *own_args = words
+    update, _, launcher = update.partition("@")
     if launcher not in ("", "mpirun"):
-        sys.exit(f"mode {mode}@{launcher}: the launcher after @ can only be mpirun (default: horovodrun --gloo)")
-    mode, _, flavour = mode.partition(":")
+        sys.exit(f"mode {mode!r}: the launcher after @ can only be mpirun (default: horovodrun --gloo)")
+    update, _, flavour = update.partition(":")
+    return variables, update, launcher, flavour, own_args
+
+
+def run_one(mode, ranks, global_batch, extra, out_json):
+    """One benchmark run; `mode` is a --variable_update value, optionally ':tf_keras' or ':keras3',
+    optionally '@mpirun', optionally followed by benchmark options of its own: "tfdist --num_inter_threads 2",
+    optionally after variables for this run: "HOROVOD_CYCLE_TIME=40 tfdist" (`parse_mode`)."""
+    variables, mode, launcher, flavour, own_args = parse_mode(mode)
     flavour_args = ["--keras", flavour] if flavour else []
     bench = [sys.executable, "-m", "tfdist.benchmark.train_benchmark", "--variable_update", mode, *flavour_args,
              "--batch_size", str(global_batch // ranks), "--json", out_json, *extra, *own_args]
@@ -70,8 +79,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=["none", "tfdist", "horovod"],
-                        help="--variable_update values, optionally with a Keras flavour (tfdist:tf_keras) "
-                             "and options of their own (quoted: 'tfdist --no_tuning')")
+                        help="--variable_update values, optionally with a Keras flavour (tfdist:tf_keras), a "
+                             "launcher (tfdist@mpirun), options of their own and, first, variables (quoted: "
+                             "'HOROVOD_CYCLE_TIME=40 tfdist --no_tuning')")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--global_batch", type=int, default=32)
     parser.add_argument("--out", default="scaling")
@@ -80,7 +90,7 @@ def main():
     from tfdist.tuning import startup
 
     startup.undo()  # each benchmark process applies its own settings (or none)
-    configs = [(m, r) for m in args.modes for r in args.ranks if not (m.startswith("none") and r > 1)]
+    configs = [(m, r) for m in args.modes for r in args.ranks if not (parse_mode(m)[1] == "none" and r > 1)]
     runs = {f"{m}/{r}": [] for m, r in configs}
     results = {f"{m}/{r}": [] for m, r in configs}
     scratch = tempfile.mkdtemp(prefix="tfdist-scaling-")
