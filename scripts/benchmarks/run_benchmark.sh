@@ -5,7 +5,8 @@
 # Where the CPU has AVX512-BF16 or AMX (or BENCH_BF16=1), the same rows run in bfloat16 too
 # (--precision bf16, i.e. Keras' mixed_bfloat16) and the speed-ups over float32 are printed.
 # Each row is also quoted against the machine's own matmul rate in its precision (matmul_rate.py,
-# measured first): ResNet50 at 224x224 is taken as 24.5 GFLOP per training image.
+# measured before and after the runs, their mean; both are printed, as a VM's neighbours can move
+# the rates within minutes): ResNet50 at 224x224 is taken as 24.5 GFLOP per training image.
 #   bash scripts/benchmarks/run_benchmark.sh [--num_batches 10 ...]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -23,13 +24,17 @@ fi
 "$ROOT/.venv/bin/tfdist-scaling" --ranks 1 2 --modes "${MODES[@]}" --repeats 1 \
   --global_batch "${GLOBAL_BATCH:-16}" --out runs/benchmark -- \
   --model resnet50 --num_warmup_batches 2 --num_batches 6 --display_every 3 "$@"
-"$ROOT/.venv/bin/python" - runs/benchmark.json runs/matmul_rate.json "$@" <<'PY'
+"$ROOT/.venv/bin/python" scripts/benchmarks/matmul_rate.py --json runs/matmul_rate_after.json
+"$ROOT/.venv/bin/python" - runs/benchmark.json runs/matmul_rate.json runs/matmul_rate_after.json "$@" <<'PY'
 import json, statistics, sys
 runs = json.load(open(sys.argv[1]))["runs"]
-rates = json.load(open(sys.argv[2]))
+before, after = json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
+rates = {p: (before[p] + after[p]) / 2 for p in before}
 med = {k: statistics.median(v) for k, v in runs.items()}
 lines = []
-if not {"--model", "--image_size"} & {a.split("=")[0] for a in sys.argv[3:]}:  # ResNet50 at 224x224
+if not {"--model", "--image_size"} & {a.split("=")[0] for a in sys.argv[4:]}:  # ResNet50 at 224x224
+    lines += ["", "| matmul rate, GFLOP/s | before the runs | after | mean (used below) |", "|---|---|---|---|"]
+    lines += [f"| {p} | {before[p]:.1f} | {after[p]:.1f} | {rates[p]:.1f} |" for p in before]
     lines += ["", "| run | images/s | GFLOP/s (24.5 a training image) | of this machine's matmul rate |",
               "|---|---|---|---|"]
     for key, images in med.items():
