@@ -76,6 +76,7 @@ def test_ranks_run_under_mpi(mpi, keras_flavor, tmp_path_factory):
         launch = ranks[rank]["launch"]
         assert (launch["rank"], launch["size"], launch["ompi_rank"]) == (rank, 2, str(rank))
         assert launch["mpi_enabled"] and not launch["gloo_enabled"], launch
+        assert launch["transport"] == "collectives MPI on CPU"   # no launcher advice under mpirun
         assert launch["keras"] == ("tf_keras" if keras_flavor == "tf_keras" else "keras")
         # tfdist-run starts every rank through tfdist.tuning.startup (else `import tfdist` applies it),
         # with Open MPI's local rank; -bind-to none leaves the pinning to tfdist

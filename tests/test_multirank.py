@@ -1,5 +1,7 @@
 """Real 2-rank Horovod jobs (horovodrun -np 2 --gloo); each launch runs many checks."""
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -148,6 +150,8 @@ def test_uneven_global_batch_warned_once_by_the_chief(keras_flavor, tmp_path_fac
 
 
 def test_strategy_topology_and_input_contexts(tmp_path_factory):
+    from tfdist import collectives
+
     ranks, _ = train_results("keras3", tmp_path_factory)
     f0, f1 = ranks[0]["facts"], ranks[1]["facts"]
     assert (f0["rank"], f1["rank"]) == (0, 1)
@@ -167,6 +171,11 @@ def test_strategy_topology_and_input_contexts(tmp_path_factory):
         assert any("Horovod cycle 10 ms" in reason for reason in f["tuning"]["reasons"])
         assert f["affinity_now"] == sorted(f["tuning"]["cpu_affinity"])
         assert f["intra_op_now"] == f["tuning"]["intra_op_threads"] >= 1
+        # 2 ranks of a node on Gloo: the tuning line names mpirun's shared memory where it is there
+        mpi_here = shutil.which("mpirun") and collectives.horovod().mpi_built()
+        assert f["transport"] == ("collectives Gloo on CPU (2 ranks on this node over loopback TCP; mpirun "
+                                  "exchanges through shared memory: tfdist-run --launcher mpirun)"
+                                  if mpi_here else "collectives Gloo on CPU")
     for f in (f0, f1):
         assert f["broadcast_object"] == [200_000, 0]
         assert f["allgather_object"] == [[], list(range(3000))]

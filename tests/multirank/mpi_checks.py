@@ -41,7 +41,8 @@ def launch_info(strategy):
             "startup": {k: v for k, v in (tfdist.tuning.startup.state() or {}).items()
                         if k in ("route", "layout", "pinned", "bound_by_launcher")},
             "keras": keras.__name__,
-            "open_mpi_waiting": tfdist.tuning.horovod_env.open_mpi_waiting()}
+            "open_mpi_waiting": tfdist.tuning.horovod_env.open_mpi_waiting(),
+            "transport": tfdist.collectives.transport(strategy.extended.worker_devices[0])}
 
 
 def average_fit(strategy):

@@ -277,6 +277,7 @@ def strategy_facts(strategy, results):
         "tuning": strategy.tuning_plan.as_dict(),
         "affinity_now": sorted(os.sched_getaffinity(0)),
         "intra_op_now": tf.config.threading.get_intra_op_parallelism_threads(),
+        "transport": tfdist.collectives.transport(strategy.extended.worker_devices[0]),
     }
     rank_tensor = tf.constant([[float(strategy.rank)] * 2])
     results["facts"]["gathered"] = strategy.gather(rank_tensor, axis=0).numpy().tolist()
