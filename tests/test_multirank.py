@@ -172,7 +172,7 @@ def test_strategy_topology_and_input_contexts(tmp_path_factory):
         assert f["affinity_now"] == sorted(f["tuning"]["cpu_affinity"])
         assert f["intra_op_now"] == f["tuning"]["intra_op_threads"] >= 1
         # 2 ranks of a node on Gloo: the tuning line names mpirun's shared memory where it is there
-        mpi_here = shutil.which("mpirun") and collectives.horovod().mpi_built()
+        mpi_here = shutil.which("mpirun") and shutil.which("ompi_info") and collectives.horovod().mpi_built()
         assert f["transport"] == ("collectives Gloo on CPU (2 ranks on this node over loopback TCP; mpirun "
                                   "exchanges through shared memory: tfdist-run --launcher mpirun)"
                                   if mpi_here else "collectives Gloo on CPU")

@@ -312,11 +312,12 @@ def transport(device):
     """How this rank's collectives travel, for the tuning line: "collectives NCCL 2.32.3 on GPU
     (controller Gloo)", "collectives Gloo through host memory (Horovod built without NCCL)" on a
     GPU with a Horovod built without NCCL, "collectives Gloo on CPU"; with several CPU ranks on
-    a node it names mpirun's shared memory where that is there (docs/LAUNCH.md)."""
+    a node it names Open MPI's shared memory where that is there (docs/LAUNCH.md)."""
     hvd = horovod()
     controller = "MPI" if hvd.mpi_enabled() else "Gloo" if hvd.gloo_enabled() else "none"
     if "gpu" not in str(device).lower():
-        if controller == "Gloo" and local_size() > 1 and hvd.mpi_built() and shutil.which("mpirun"):
+        open_mpi = shutil.which("mpirun") and shutil.which("ompi_info")  # tfdist-run's mpirun flags are Open MPI's
+        if controller == "Gloo" and local_size() > 1 and hvd.mpi_built() and open_mpi:
             return (f"collectives Gloo on CPU ({local_size()} ranks on this node over loopback TCP; "
                     "mpirun exchanges through shared memory: tfdist-run --launcher mpirun)")
         return f"collectives {controller} on CPU"
