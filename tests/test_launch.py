@@ -14,7 +14,7 @@ import pytest
 
 from conftest import (BIN, ROOT, JobFailed, _tail, communicate_or_kill, free_port, make_job_env, read_results,
                       run_job, wait_or_kill)
-from tfdist.launch import slurm as launch
+from tfdist import launch
 from tfdist.launch import rendezvous
 from tfdist.launch import runner as run
 from tfdist.errors import LaunchError
@@ -158,7 +158,7 @@ def test_multi_node_first_node_on_loopback_is_refused():
 
 
 def test_multi_node_host_whose_name_is_loopback_is_refused(monkeypatch):
-    monkeypatch.setattr(launch.socket, "gethostname", lambda: "localhost")
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
     with pytest.raises(LaunchError, match="'localhost' resolves to the loopback address 127.0.0.1.*whatever "
                                           "HOROVOD_GLOO_IFACE says"):
         launch.check_own_hostname()

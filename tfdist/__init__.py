@@ -32,6 +32,10 @@ _moved.install()
 # before it loads: importing tfdist first applies this rank's (`tfdist.tuning.startup`; TFDIST_TUNING=0: off).
 import sys as _sys
 
+from tfdist.launch import tf_config as _tf_config
+
+_tf_config.export_early()  # under a launcher: TF_CONFIG for code that reads it (the ranks as workers)
+
 if "tensorflow" not in _sys.modules:
     from tfdist.tuning import startup as _startup
 

@@ -77,12 +77,12 @@ def horovod():
 def init():
     """Initialise Horovod once (size 1 without a launcher); returns the Horovod module.
 
-    Under Slurm's `srun` without horovodrun or MPI, `tfdist.launch.slurm.prepare()` first runs the Gloo
-    rendezvous and sets the variables `hvd.init()` reads.
+    Under Slurm's `srun` without horovodrun or MPI, and in a cluster that `TF_CONFIG` describes,
+    `tfdist.launch.start.prepare()` first runs the Gloo rendezvous and sets the variables `hvd.init()` reads.
     """
     hvd = horovod()
     if not hvd.is_initialized():
-        from tfdist.launch import slurm as launch
+        from tfdist.launch import start as launch
 
         launch.prepare(mpi_built=hvd.mpi_built())
         hvd.init()

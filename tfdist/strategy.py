@@ -48,6 +48,7 @@ from tfdist.keras import progress as quiet_ranks
 from tfdist.keras import step_marks, step_outputs
 from tfdist.keras.recognise import multi_rank_strategy_of  # noqa: F401  (this module's name for it since 0.1)
 from tfdist.keras.flavour import legacy_requested
+from tfdist.launch import start as launch_start
 from tfdist.strategy_extended import HorovodExtended
 from tfdist.strategy_options import StrategyOptions
 from tfdist.tuning import horovod_env
@@ -232,9 +233,13 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
                 sharded_tf_keras.install()  # and tf-keras
         if options.precision is not None:
             precision_lib.set_policy(options.precision)
+        launch_fact = launch_start.startup_fact()  # a TF_CONFIG cluster joined, or a TF_CONFIG ignored
         if self.tuning_plan is not None:
             tuning_lib.announce(self.tuning_plan, (gpu_lib.absence(self.tuning_plan.effect["gpu"]),
-                                                   collectives.transport(device), precision_lib.policy_name()))
+                                                   collectives.transport(device), precision_lib.policy_name(),
+                                                   launch_fact))
+        elif launch_fact and collectives.rank() == 0:
+            print(f"tfdist launch: {launch_fact}", flush=True)
 
     # Horovod topology, for user code (data sharding, logging, chief-only work).
     @property

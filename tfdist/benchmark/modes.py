@@ -10,8 +10,11 @@ import sys
 
 
 def mwms_tf_config():
-    """TF_CONFIG for MultiWorkerMirroredStrategy: as set, or one worker per horovodrun rank on this host."""
-    if "TF_CONFIG" in os.environ or "HOROVOD_RANK" not in os.environ:
+    """TF_CONFIG for MultiWorkerMirroredStrategy: as the user set it, or one worker per horovodrun
+    rank on this host (replacing the one tfdist exported, whose ports no server is meant to use)."""
+    from tfdist.launch import tf_config
+
+    if tf_config.given() is not None or "HOROVOD_RANK" not in os.environ:
         return
     size, rank = int(os.environ["HOROVOD_SIZE"]), int(os.environ["HOROVOD_RANK"])
     if int(os.environ.get("HOROVOD_LOCAL_SIZE", size)) != size:

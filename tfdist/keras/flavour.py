@@ -2,6 +2,8 @@
 
 import os
 
+from tfdist.errors import KerasHookError
+
 
 def legacy_requested():
     return os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
@@ -9,8 +11,16 @@ def legacy_requested():
 
 def keras_module():
     if legacy_requested():
-        import tf_keras
-
+        try:
+            import tf_keras
+        except ImportError as e:
+            raise KerasHookError(
+                f"TF_USE_LEGACY_KERAS={os.environ['TF_USE_LEGACY_KERAS']} asks for tf-keras, which is not "
+                f"installed ({e}). Ray Train sets TF_USE_LEGACY_KERAS=1 on every TensorflowTrainer worker. "
+                "Fix: install tf-keras (`pip install tf-keras`, or tfdist[legacy]) to train on tf-keras, or, "
+                "for Keras 3, set TF_USE_LEGACY_KERAS=0 before TensorFlow loads (under Ray: "
+                "`os.environ[\"TF_USE_LEGACY_KERAS\"] = \"0\"` first in the train function, before "
+                "importing tfdist or TensorFlow; docs/LAUNCH.md#ray-train)") from None
         return tf_keras
     import keras
 

@@ -1,6 +1,7 @@
 """What the launcher and this node say about this process, read without TensorFlow.
 
-The local rank and rank count (horovodrun, Open MPI, MPICH/Intel MPI, an srun step), the global rank,
+The local rank and rank count (horovodrun, Open MPI, MPICH/Intel MPI, an srun step, a TF_CONFIG
+cluster), the global rank,
 the switches `TFDIST_TUNING`, `TFDIST_QUIET_RANKS` and `TFDIST_TF_STARTUP_LINES`, core binding by
 the launcher, and the record that `tfdist.tuning.startup` leaves of what it set before TensorFlow loaded.
 
@@ -59,7 +60,15 @@ def launcher_rank(env=None):
     for name in _RANK_VARIABLES:
         if env.get(name, "").strip().isdigit():
             return int(env[name])
-    return None
+    cluster = _tf_config_cluster(env)
+    return cluster.rank if cluster is not None else None
+
+
+def _tf_config_cluster(env):
+    """The TF_CONFIG cluster this process joins as a rank (no launcher started it), or None."""
+    from tfdist.launch import tf_config
+
+    return tf_config.peek(env)
 
 
 def quiet_log_level(env=None):
@@ -85,6 +94,10 @@ def local_layout(env=None):
         counts = expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
         node = int(env.get("SLURM_NODEID", "0"))
         return int(env["SLURM_LOCALID"]), counts[min(node, len(counts) - 1)]
+    cluster = _tf_config_cluster(env)
+    if cluster is not None:
+        placement = cluster.placement()
+        return placement["local_rank"], placement["local_size"]
     return 0, 1
 
 

@@ -9,7 +9,7 @@ Modes, all on tf-keras (or Keras 3 with --keras keras3) and the same model:
   tfdist   HorovodStrategy(bucket_mb=..., compression=...) + model.fit (bucket_mb 0: one collective
            per dtype, 'ready': each gradient as it exists); --cycle_ms sets Horovod's cycle
   horovod  Horovod's documented loop: hvd.DistributedGradientTape + hvd.broadcast_variables, after
-           tfdist.launch.slurm.prepare() turned the SLURM_* variables into Horovod's Gloo environment
+           tfdist.launch.prepare() turned the SLURM_* variables into Horovod's Gloo environment
   mwms     tf.distribute.MultiWorkerMirroredStrategy + model.fit, workers from TF_CONFIG
   none     one process, plain model.fit (the 1-rank baseline)
 Writes `rank<R>.json` in --out: every step time (warm-up included, and marked), gradient bytes,
@@ -76,7 +76,7 @@ def main():
     elif args.mode == "horovod":
         import horovod.tensorflow as hvd
 
-        from tfdist.launch import slurm as launch
+        from tfdist.launch import start as launch
 
         launched = launch.prepare(mpi_built=hvd.mpi_built()).describe()
         hvd.init()
