@@ -1,6 +1,7 @@
 """Launch layer: Slurm environment parsing, the Gloo rendezvous, srun-style jobs (loopback and two
 network namespaces), tfdist-run, and the sbatch templates."""
 
+import json
 import os
 import re
 import shutil
@@ -379,6 +380,11 @@ def test_tfdist_run_launches_a_real_two_rank_job(tmp_path, reference):
         assert ranks[r]["intra_op_threads"] == max(cores // 2, 1)
     if cores >= 2:
         assert not set(ranks[0]["cpus"]) & set(ranks[1]["cpus"])
+    # code that reads TF_CONFIG at its top finds the ranks as workers (no server listens on them)
+    for r in (0, 1):
+        at_start = json.loads(ranks[r]["tf_config_at_start"])
+        assert at_start["task"] == {"type": "worker", "index": r} and len(at_start["cluster"]["worker"]) == 2
+        assert json.loads(ranks[r]["tf_config"])["cluster"] == at_start["cluster"]  # one host: known from the start
     # the exit status of the job is passed through
     code, _, _ = tfdist_run("-np", 2, "python", "-c", "import sys; sys.exit(3)")
     assert code != 0

@@ -4,8 +4,10 @@
     tfdist-run -np 2 python tests/multirank/launch_checks.py --out DIR
     python tests/multirank/launch_checks.py --out DIR --reference     # 1 process, same global batch
 
-Each rank writes DIR/rank<R>.json with its topology, the HOROVOD_* variables it ran with and the
-final weights; tests/test_launch.py compares the ranks with each other and with the reference.
+    TF_CONFIG='{"cluster": ...}' python tests/multirank/launch_checks.py --out DIR   # x each task
+
+Each rank writes DIR/rank<R>.json with its topology, the HOROVOD_* variables it ran with, the
+TF_CONFIG it saw, its replicas and cluster resolver, and the final weights; tests/test_launch.py compares the ranks with each other and with the reference.
 """
 
 import os
@@ -16,6 +18,8 @@ from common import keras_module, worker_parser, write_results  # noqa: E402
 from train_checks import PER_RANK_BATCH, RANKS, STEPS, build_model, loss_fn, make_data  # noqa: E402
 
 import tfdist  # noqa: E402
+
+TF_CONFIG_AT_START = os.environ.get("TF_CONFIG")  # what a script that reads it at the top sees
 
 keras = keras_module()
 
@@ -38,6 +42,9 @@ def main():
         "horovod_env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_", "NCCL_"))},
         "startup": tfdist.tuning.startup.state(), "cpus": sorted(os.sched_getaffinity(0)),
         "intra_op_threads": tfdist.tuning.plan.in_effect()["intra_op_threads"],
+        "replicas": strategy.num_replicas_in_sync, "is_chief": strategy.is_chief,
+        "resolver": [strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id],
+        "tf_config_at_start": TF_CONFIG_AT_START, "tf_config": os.environ.get("TF_CONFIG"),
         "steps": int(model.optimizer.iterations.numpy()),
         "final": [w.tolist() for w in model.get_weights()],
     })

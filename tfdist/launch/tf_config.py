@@ -41,6 +41,7 @@ UNSUPPORTED = {
     "master": "a 'master' task (TensorFlow 1's name for the chief)",
 }
 LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_STEP_NUM_TASKS")
+_UNKNOWN = ".tfdist.invalid"  # a host not known yet: .invalid never resolves (RFC 2606)
 _FIX = "Fix the TF_CONFIG your launcher writes, or unset it (TFDIST_LAUNCHER=none ignores it)."
 
 
@@ -227,18 +228,20 @@ def worker_addresses(size, rank, env=None):
                        if str(env.get(n, "")).isdigit()), None)
     one_node = local_size == size or env.get("SLURM_JOB_NUM_NODES") == "1"
     base = int(env.get("HOROVOD_GLOO_RENDEZVOUS_PORT") or env.get("TFDIST_RENDEZVOUS_PORT") or 2221) + 1
-    return [f"{own if (i == rank or one_node) else f'rank{i}.tfdist.invalid'}:{base + i}" for i in range(size)]
+    return [f"{own if (i == rank or one_node) else f'rank{i}{_UNKNOWN}'}:{base + i}" for i in range(size)]
 
 
 def export_for_launcher(size, rank, hosts=None, env=None):
     """Write TF_CONFIG for a launcher's rank `rank` of `size` (all workers, this task's index),
-    unless the user's own is here; `hosts`: every rank's host, once known. Returns it, or None."""
+    unless the user's own is here; `hosts`: every rank's host, once known (fills in the hosts not
+    known before). Returns it, or None."""
     env = os.environ if env is None else env
     if size < 1 or (env.get(VARIABLE) and not is_exported(env)):
         return None
     addresses = worker_addresses(size, rank, env)
-    if hosts is not None:
-        addresses = [f"{h}:{a.rpartition(':')[2]}" for h, a in zip(hosts, addresses)]
+    if hosts is not None:  # the hosts not known before Horovod started
+        addresses = [f"{h}:{a.rpartition(':')[2]}" if a.split(":")[0].endswith(_UNKNOWN) else a
+                     for h, a in zip(hosts, addresses)]
     text = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}})
     env[VARIABLE] = env[EXPORTED_VARIABLE] = text
     return text
