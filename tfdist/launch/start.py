@@ -54,7 +54,7 @@ def detect_launcher(env=None, mpi_built=False):
     if choice == "none":
         return "none"
     if choice == "tf_config" or (choice == "auto" and not tf_config.launched(env)):
-        if tf_config.joining(env) is not None:
+        if tf_config.joining(env) is not None:  # raises on a TF_CONFIG it cannot use: never a silent 1-rank job
             return "tf_config"
     if choice == "auto":
         if "HOROVOD_RANK" in env:
@@ -167,8 +167,6 @@ def prepare(mpi_built=False, env=None):
             raise LaunchError(f"started by mpirun ({size_var}={size}), but this Horovod was built "
                               "without MPI, so every process would train alone as rank 0. Launch "
                               "with `tfdist-run` / `horovodrun --gloo`, or rebuild Horovod with MPI.")
-    if launcher == "none" and env.get("TFDIST_LAUNCHER", "auto") == "auto" and not tf_config.launched(env):
-        tf_config.joining(env)  # a TF_CONFIG it cannot use is an error, never a silent 1-rank job
     if launcher == "tf_config":
         cluster = tf_config.joining(env)
         topo = TaskPlacement(**cluster.placement())
