@@ -18,9 +18,8 @@ def keras_module():
                 f"TF_USE_LEGACY_KERAS={os.environ['TF_USE_LEGACY_KERAS']} asks for tf-keras, which is not "
                 f"installed ({e}). Ray Train sets TF_USE_LEGACY_KERAS=1 on every TensorflowTrainer worker. "
                 "Fix: install tf-keras (`pip install tf-keras`, or tfdist[legacy]) to train on tf-keras, or, "
-                "for Keras 3, set TF_USE_LEGACY_KERAS=0 before TensorFlow loads (under Ray: "
-                "`os.environ[\"TF_USE_LEGACY_KERAS\"] = \"0\"` first in the train function, before "
-                "importing tfdist or TensorFlow; docs/LAUNCH.md#ray-train)") from None
+                "for Keras 3, set TF_USE_LEGACY_KERAS=0 (under Ray: `os.environ[\"TF_USE_LEGACY_KERAS\"] = "
+                "\"0\"` first in the train function, and `import keras`; docs/LAUNCH.md#ray-train)") from None
         return tf_keras
     import keras
 
