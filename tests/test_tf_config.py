@@ -162,3 +162,14 @@ def test_a_bad_tf_config_stops_the_process_naming_the_field(tmp_path, text, mess
     assert proc.returncode != 0 and time.monotonic() - start < 120
     assert f"tfdist.errors.LaunchError: {message}" in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_ray_trains_legacy_keras_setting_without_tf_keras_names_both_fixes(monkeypatch):
+    from tfdist.errors import KerasHookError
+    from tfdist.keras import flavour
+
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    monkeypatch.setitem(sys.modules, "tf_keras", None)  # as where tf-keras is not installed
+    with pytest.raises(KerasHookError, match=r"TF_USE_LEGACY_KERAS=1 asks for tf-keras, which is not installed.*"
+                                             r"Ray Train sets.*pip install tf-keras.*TF_USE_LEGACY_KERAS=0"):
+        flavour.keras_module()
