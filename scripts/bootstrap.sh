@@ -195,6 +195,11 @@ mapfile -t DOCS_REQ < <("$PY" -c 'import configparser, sys; c = configparser.Con
 print(c["options.extras_require"]["docs"].strip())' "$ROOT/setup.cfg")
 log "installing the docs tools (setup.cfg's docs extra): ${DOCS_REQ[*]}"
 pip_quiet install -q "${DOCS_REQ[@]}"
+# Ray Train, as pinned in setup.cfg's `ray` extra (tests/test_ray_train.py runs real Ray jobs).
+mapfile -t RAY_REQ < <("$PY" -c 'import configparser, sys; c = configparser.ConfigParser(); c.read(sys.argv[1])
+print(c["options.extras_require"]["ray"].strip())' "$ROOT/setup.cfg")
+log "installing Ray Train (setup.cfg's ray extra): ${RAY_REQ[*]}"
+pip_quiet install -q "${RAY_REQ[@]}"
 
 # Horovod: the cached wheel, else built once (the same code as `tfdist-install-horovod`).
 # (--gpu: NCCL with the GPU stack, never with the CPU one, even where CUDA wheels are left over.)

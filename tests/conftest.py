@@ -269,6 +269,12 @@ EXTENDED_TF_KERAS = {
 }
 
 
+def extended_tier(what):
+    """A pytest mark for a case of the extended tier (above): skipped with `what` unless TFDIST_EXTENDED=1."""
+    return pytest.mark.skipif(os.environ.get("TFDIST_EXTENDED") != "1",
+                              reason=f"extended tier ({what}): TFDIST_EXTENDED=1 to run it")
+
+
 # The files that take longest (CI's durations, docs/TESTING.md#ci-time), run first under pytest-xdist
 # (TFDIST_TEST_WORKERS): the workers take whole files as they come free, so a long file started last
 # would leave the others idle at the end. One process keeps the files' own order.

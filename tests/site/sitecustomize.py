@@ -9,10 +9,14 @@ is part of tfdist, and neither changes what a test checks.
   own preempted exit skips the same collection (tfdist.faults.preemption).
 - Keras' optional imports of scikit-learn and matplotlib find nothing (`_KerasOptionalExtras`):
   1.3 to 2 s of CPU less per process (`import tensorflow, keras`, Zen 3, 2026-11-28).
+- `TFDIST_TEST_UNINSTALLED=tf_keras,...`: those packages find nothing, as where they are not
+  installed (`_Uninstalled`), for the tests of what a user without them sees, in real processes
+  (Ray's workers among them: they inherit the variable).
 """
 
 import atexit
 import gc
+import os
 import sys
 
 atexit.register(gc.freeze)
@@ -41,3 +45,19 @@ class _KerasOptionalExtras:
 
 
 sys.meta_path.insert(0, _KerasOptionalExtras())
+
+
+class _Uninstalled:
+    """The top-level packages named in TFDIST_TEST_UNINSTALLED find nothing."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+if os.environ.get("TFDIST_TEST_UNINSTALLED"):
+    sys.meta_path.insert(0, _Uninstalled(set(os.environ["TFDIST_TEST_UNINSTALLED"].split(","))))

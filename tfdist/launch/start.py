@@ -212,7 +212,7 @@ def _join(info, token, default_timeout, env):
         info.env["NCCL_SOCKET_IFNAME"] = iface
     env.update(info.env)
     if is_server:
-        log.info("%s", info.describe())
+        log.debug("%s", info.describe())  # the chief's start-up line carries it
     return info
 
 

@@ -311,7 +311,7 @@ def tune_this_rank(options, horovod_defaults):
     too_late = apply(plan)
     effect = {**in_effect(), "too_late": too_late,
               "route": f"set before TensorFlow loaded by {early['route']}" if early else "no early settings"}
-    log.info("tfdist tuning (rank %d): plan %s", collectives.rank(), plan.as_dict())
+    log.debug("tfdist tuning (rank %d): plan %s", collectives.rank(), plan.as_dict())
     return dataclasses.replace(plan, effect=effect)
 
 
