@@ -80,7 +80,7 @@ def test_every_case_equals_one_process_with_sharded_state(flavor, ranks, request
             if not got["whole_slots"] and want["bytes"] > 12:  # (accumulators and EMA averages stay whole)
                 assert got["bytes"] <= want["bytes"] / ranks * 1.1, (case, rank, got["bytes"], want["bytes"])
         worst[case] = _largest_difference(first["weights"], want["weights"])
-    assert "adam" in worst and (ranks == 4 or "lars" in worst and "lion" in worst)
+    assert "adam" in worst and "sparse_adam" in worst and (ranks == 4 or "lars" in worst and "sparse_lars" in worst)
     print(f"\n{flavor}, {ranks} ranks, largest difference from one process: "
           + ", ".join(f"{case} {value:.1e}" for case, value in worst.items()))
 
@@ -89,6 +89,17 @@ def test_the_clips_matter(reference, tf_keras_reference):
     for results in (reference, tf_keras_reference):
         for case, unclipped in results["unclipped"].items():
             assert _largest_difference(results["cases"][case]["weights"], unclipped["weights"]) > 1e-2, case
+
+
+def test_sparse_gradients_matter(reference, tf_keras_reference):
+    """Keras 3's Adam on the embedding's tf.IndexedSlices (repeated ids' squares apart) is not
+    Adam on its densified gradient, in one process: the sharded cases must follow the sparse one.
+    tf-keras sums repeated ids first, so there both are one update (and the sharded step must sum
+    every rank's rows)."""
+    densified = reference["densified"]["sparse_adam"]["weights"]
+    assert _largest_difference(reference["cases"]["sparse_adam"]["weights"], densified) > 1e-2
+    densified = tf_keras_reference["densified"]["sparse_adam"]["weights"]
+    assert _largest_difference(tf_keras_reference["cases"]["sparse_adam"]["weights"], densified) < 1e-6
 
 
 @pytest.mark.parametrize("flavor", ["keras3", "tf_keras"])

@@ -137,7 +137,9 @@ def install():
                 # Sharded state: each rank checks its slice of the summed gradients; check_finite's
                 # agreement makes it one decision for every slice.
                 present = [i for i, g in enumerate(grads) if g is not None]
-                scattered = tf.distribute.get_strategy().extended.reduce_scatter([grads[i] for i in present])
+                variables = list(trainable_variables or self._trainable_variables)
+                scattered = tf.distribute.get_strategy().extended.reduce_scatter(
+                    [grads[i] for i in present], [variables[i] for i in present])
                 slices = [None] * len(grads)
                 for i, g in zip(present, scattered):
                     slices[i] = g

@@ -241,9 +241,10 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         """Whether Keras optimizers built under this strategy keep state for this rank's slices only."""
         return self._shard_optimizer_state and collectives.size() > 1
 
-    def reduce_scatter(self, grads):
-        """Each gradient summed across ranks, as this rank's flat slice, on the gradient schedule."""
-        return sharded.reduce_scatter(grads, self._bucket_bytes, self._compression)
+    def reduce_scatter(self, grads, variables):
+        """Each gradient (of the variable beside it) summed across ranks, as this rank's flat
+        slice, on the gradient schedule."""
+        return sharded.reduce_scatter(grads, variables, self._bucket_bytes, self._compression)
 
     def allgather_slices(self, slices):
         """Every rank's slices of each variable, flat and padded, on the gradient schedule."""

@@ -65,10 +65,22 @@ LOOP_CASES = {
     "lion": lambda: K.Lion(0.003),
     "sgd": lambda: K.SGD(0.1),
 }
+# On a model whose embedding's gradient is a tf.IndexedSlices with repeated ids (the optimizer's own
+# sparse update: Adam's per-entry squares) and whose Dense on a 3-D input has a (None, units) gradient
+SPARSE_CASES = {
+    "sparse_adam": lambda: K.Adam(0.01),
+    "sparse_adamw": lambda: K.AdamW(0.01, weight_decay=0.1),
+    "sparse_sgd_momentum": lambda: K.SGD(0.1, momentum=0.9),
+    "sparse_adagrad": lambda: K.Adagrad(0.1),
+    "sparse_lars": lambda: LARS(0.5, momentum=0.9, weight_decay=1e-3, eta=0.02),
+    "sparse_adam_clipnorm": lambda: K.Adam(0.01, clipnorm=0.05),
+    "sparse_adam_global_clipnorm": lambda: K.Adam(0.01, global_clipnorm=0.05),
+    "sparse_sgd_clipvalue": lambda: K.SGD(0.1, momentum=0.9, clipvalue=0.01),
+}
 if TF_KERAS:  # its EMA is refused under sharding (tests/test_sharded.py checks the message)
     del FIT_CASES["adam_ema"]
 CLIPPED = ("adam_clipnorm", "sgd_global_clipnorm", "sgd_clipvalue")
-ON_FOUR_RANKS = ("adam", "lars", "sgd_global_clipnorm", "adam_accumulated")
+ON_FOUR_RANKS = ("adam", "lars", "sgd_global_clipnorm", "adam_accumulated", "sparse_adam", "sparse_adam_clipnorm")
 WHOLE_SLOTS = ("adam_accumulated", "sgd_global_clipnorm_accumulated", "loss_scaled_accumulated", "adam_ema")
 
 
@@ -80,10 +92,21 @@ def unclipped(make):
     return make_unclipped
 
 
-def data():
+def data(kind="dense"):
     rng = np.random.default_rng(1)
+    if kind == "sparse":  # 5 ids an example out of 50: ids repeat within every batch
+        ids = rng.integers(0, 50, size=(EXAMPLES, 5)).astype("int32")
+        return ids, (np.sin(ids).sum(axis=1, keepdims=True)).astype("float32")
     x = rng.normal(size=(EXAMPLES, 8)).astype("float32")
     return x, (x @ rng.normal(size=(8, 1)) * 3).astype("float32")
+
+
+def loop_model(kind):
+    if kind == "sparse":
+        return keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 4),
+                                 keras.layers.Dense(6, activation="tanh"), keras.layers.GlobalAveragePooling1D(),
+                                 keras.layers.Dense(1)])
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(1)])
 
 
 def build(make_optimizer, strategy, compile_args=None):
@@ -119,18 +142,18 @@ def describe(name, model, optimizer, seconds):
             "sharded_slots": sharded_slots, "whole_slots": name in WHOLE_SLOTS, "seconds": seconds}
 
 
-def loop_cases(strategy, cases):
-    """`cases` (name -> optimizer factory), each on its own model, trained in one custom loop."""
+def loop_cases(strategy, cases, kind="dense", densify=False):
+    """`cases` (name -> optimizer factory), each on its own `kind` of model, trained in one custom
+    loop (`densify`: with every gradient made dense first)."""
     if not cases:
         return {}
     started = time.monotonic()
-    x, y = data()
+    x, y = data(kind)
     pairs = {}
     for name, make in cases.items():
         keras.utils.set_random_seed(5)
         with strategy.scope():
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="tanh"),
-                                      keras.layers.Dense(1)])
+            model = loop_model(kind)
             optimizer = make()
             optimizer.build(model.trainable_variables)
         pairs[name] = (model, optimizer)
@@ -141,7 +164,8 @@ def loop_cases(strategy, cases):
                 per_example = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=-1)
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
             variables = model.trainable_variables
-            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            grads = tape.gradient(loss, variables)
+            optimizer.apply_gradients(zip([tf.convert_to_tensor(g) for g in grads] if densify else grads, variables))
 
     step = tf.function(lambda batch: strategy.run(replica_step, args=batch))
     batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
@@ -278,8 +302,11 @@ def main():
         fits = [n for n in FIT_CASES if selected is None or n in selected]
         loops = {n: m for n, m in LOOP_CASES.items() if selected is None or n in selected}
         loops.update({f"{n} unclipped": unclipped(LOOP_CASES[n]) for n in CLIPPED if n in loops})
-        results = {"cases": {**{n: train_case(n, lambda options: strategy) for n in fits}, **loop_cases(strategy, loops)},
-                   "loss_scale_skip": loss_scale_skip(strategy)}
+        sparse = {n: m for n, m in SPARSE_CASES.items() if selected is None or n in selected}
+        results = {"cases": {**{n: train_case(n, lambda options: strategy) for n in fits}, **loop_cases(strategy, loops),
+                             **loop_cases(strategy, sparse, "sparse")},
+                   "loss_scale_skip": loss_scale_skip(strategy),
+                   "densified": loop_cases(strategy, {"sparse_adam": SPARSE_CASES["sparse_adam"]}, "sparse", densify=True)}
         results["unclipped"] = {n: results["cases"].pop(f"{n} unclipped") for n in CLIPPED if n in loops}
         if args.saved:
             results["saves"] = reference_saves(args.saved, "resume" in args.part)
@@ -298,9 +325,11 @@ def main():
     strategy = strategies({})
     results = {}
     if "train" in args.part:
-        names = selected or (list(FIT_CASES) + list(LOOP_CASES) if strategy.size == 2 else ON_FOUR_RANKS)
+        names = selected or (list(FIT_CASES) + list(LOOP_CASES) + list(SPARSE_CASES) if strategy.size == 2
+                             else ON_FOUR_RANKS)
         results["cases"] = {n: train_case(n, strategies) for n in names if n in FIT_CASES}
         results["cases"].update(loop_cases(strategy, {n: LOOP_CASES[n] for n in names if n in LOOP_CASES}))
+        results["cases"].update(loop_cases(strategy, {n: SPARSE_CASES[n] for n in names if n in SPARSE_CASES}, "sparse"))
         if strategy.size == 2:
             results["loss_scale_skip"] = loss_scale_skip(strategy)
         results["refusals"] = refusals(strategy)

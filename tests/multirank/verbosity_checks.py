@@ -1,5 +1,6 @@
-"""fit / evaluate / predict at Keras' default verbosity (or `--verbose N` on every rank), printing
-nothing of its own to stdout: what the job prints is Keras', TensorFlow's and tfdist's.
+"""fit / evaluate / predict at Keras' default verbosity (or `--verbose N` on every rank), then fit
+at verbose=2 (3 epochs) and verbose=1 (4 epochs), printing nothing of its own to stdout: what the
+job prints is Keras', TensorFlow's and tfdist's.
 
     tfdist-run -np 2 python tests/multirank/verbosity_checks.py --out DIR [--verbose 1]
 
@@ -39,6 +40,8 @@ def main():
     model.fit(dataset, epochs=2, shuffle=True, **verbose)
     model.evaluate(x, y, batch_size=16, **verbose)
     model.predict(x, batch_size=16, **verbose)
+    model.fit(dataset, epochs=3, verbose=2)  # one line an epoch: "Epoch 1/3", "4/4 - ..."
+    model.fit(dataset, epochs=4, verbose=1)
     write_results(args.out, strategy.rank, {"tf_cpp_min_log_level": os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
                                             "startup": tfdist.tuning.startup.state()})
 

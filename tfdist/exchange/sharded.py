@@ -28,6 +28,7 @@ import tensorflow as tf
 from tfdist import _compat, collectives
 from tfdist.exchange import gradients as gradient_exchange
 from tfdist.exchange import shard_plan
+from tfdist.keras.flavour import legacy_requested
 
 _local = threading.local()  # .scattered: gradients already reduce-scattered; .norms: {id(copy): norms}
 _states = weakref.WeakKeyDictionary()  # optimizer -> ShardedState
@@ -139,22 +140,64 @@ def is_scattered_already():
     return getattr(_local, "scattered", False)
 
 
-def reduce_scatter(grads, bucket_bytes=None, compression=None):
+def reduce_scatter(grads, variables, bucket_bytes=None, compression=None):
     """Each gradient summed across ranks, as this rank's flat slice ([length], padded).
 
+    `variables`: one per gradient, whose shape a gradient takes where its own static shape is
+    partly unknown (a Dense kernel's gradient from a 3-D input is (None, units)).
     `bucket_bytes` as the allreduce schedule's: None issues each gradient's reduce-scatter the
     moment it exists, 0 one grouped collective per dtype, else buckets (last layers first).
+    A `tf.IndexedSlices` gradient stays sparse: every rank's rows are gathered (as Horovod sums
+    them) and this rank keeps the entries of its slice, as a `tf.IndexedSlices` over the slice's
+    flat positions with each looked-up row's entries apart, so that the optimizer's own sparse
+    update (Adam's per-entry squares) sees what it sees in one process.
     """
-    flat = []
-    for g in grads:
-        g = tf.convert_to_tensor(g)  # tf.IndexedSlices: densified
-        ranks = collectives.size()
+    ranks = collectives.size()
+    dense, sparse = [], []
+    for i, (g, variable) in enumerate(zip(grads, variables, strict=True)):
+        if isinstance(g, tf.IndexedSlices):
+            sparse.append(i)
+            continue
+        g = tf.convert_to_tensor(g)
+        if not g.shape.is_fully_defined():
+            g = tf.reshape(g, variable.shape)
         n = g.shape.num_elements()
         padding = shard_plan.padded_length(n, ranks) - n
         g = tf.reshape(g, [-1])
-        flat.append(tf.concat([g, tf.zeros([padding], g.dtype)], 0) if padding else g)
-    return _grouped(flat, bucket_bytes, lambda part: collectives.reducescatter(
+        dense.append(tf.concat([g, tf.zeros([padding], g.dtype)], 0) if padding else g)
+    out = [None] * len(grads)
+    scattered = _grouped(dense, bucket_bytes, lambda part: collectives.reducescatter(
         part, compression=compression, scope="tfdist_sharded_reducescatter"))
+    for i, value in zip([i for i in range(len(grads)) if i not in sparse], scattered):
+        out[i] = value
+    if sparse:
+        gathered = collectives.allreduce([grads[i] for i in sparse], op="sum", scope="tfdist_sharded_sparse_gather")
+        for i, summed in zip(sparse, gathered):
+            out[i] = owned_entries(summed, variables[i].shape, ranks, collectives.rank())
+    return out
+
+
+def owned_entries(slices, shape, ranks, rank):
+    """The entries of `slices` (row-sparse, of a variable of `shape`) that fall in `rank`'s flat
+    slice, as a `tf.IndexedSlices` over the slice's positions (duplicate rows kept apart)."""
+    shape = tf.TensorShape(shape)
+    row = shape[1:].num_elements() if shape.rank > 1 else 1
+    elements = shape.num_elements()
+    start, stop = shard_plan.owned_range(elements, ranks, rank)
+    first = tf.cast(slices.indices, tf.int64) * row
+    rows = tf.where((first < stop) & (first + row > start))[:, 0]  # the rows touching this slice
+    flat = tf.reshape(tf.gather(first, rows)[:, None] + tf.range(row, dtype=tf.int64)[None, :], [-1])
+    values = tf.reshape(tf.gather(slices.values, rows), [-1])
+    keep = (flat >= start) & (flat < stop)
+    length = shard_plan.slice_length(elements, ranks)
+    return tf.IndexedSlices(tf.boolean_mask(values, keep), tf.boolean_mask(flat, keep) - start,
+                            dense_shape=tf.constant([length], tf.int64))
+
+
+def entries(g):
+    """The entries a gradient's norm sums: a `tf.IndexedSlices`' values (each looked-up row apart,
+    as Keras' and TensorFlow's clipping square them), else the tensor."""
+    return g.values if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
 
 
 def allgather(copies, bucket_bytes=None):
@@ -184,7 +227,7 @@ def _grouped(values, bucket_bytes, collective):
 
 def sums_of_squares(tensors, scope="tfdist_sharded_norms"):
     """Each tensor's sum of squares over every rank's slice: one small allreduce per dtype."""
-    local = [tf.reduce_sum(tf.square(tf.convert_to_tensor(t))) for t in tensors]
+    local = [tf.reduce_sum(tf.square(entries(t))) for t in tensors]
     return collectives.allreduce(local, op="sum", scope=scope) if collectives.size() > 1 else local
 
 
@@ -192,7 +235,10 @@ def clip(slices, clipnorm=None, global_clipnorm=None, clipvalue=None):
     """Keras' gradient clipping of the whole gradients, applied to this rank's `slices` of them.
 
     The norms span every rank's slice; the formulas are Keras' own (`clip_by_norm`,
-    `clip_by_global_norm`), so the result is what one process clips.
+    `clip_by_global_norm`), so the result is what one process clips. A `tf.IndexedSlices` slice
+    is clipped as one process clips one: its entries (each looked-up row apart) are squared for
+    the norms and scaled or clipped, and it stays sparse, except under Keras 3's
+    `global_clipnorm`, whose `gradient * scale` makes it dense.
     """
     if clipnorm and clipnorm > 0:
         out = []
@@ -200,16 +246,24 @@ def clip(slices, clipnorm=None, global_clipnorm=None, clipvalue=None):
             positive = l2sum > 0
             l2norm = tf.where(positive, tf.sqrt(tf.where(positive, l2sum, tf.ones_like(l2sum))), l2sum)
             clip_norm = tf.cast(clipnorm, g.dtype)
-            out.append(g * clip_norm / tf.maximum(l2norm, clip_norm))
+            out.append(_on_entries(g, lambda v: v * clip_norm / tf.maximum(l2norm, clip_norm)))
         return out
     if global_clipnorm and global_clipnorm > 0:
         squares = sums_of_squares(slices)
         use_norm = tf.sqrt(tf.add_n([tf.cast(s, tf.float32) for s in squares]))
         scale = global_clipnorm * tf.minimum(1.0 / use_norm, 1.0 / global_clipnorm) + (use_norm - use_norm)
-        return [g * tf.cast(scale, g.dtype) for g in slices]
+        return [_on_entries(g, lambda v: v * tf.cast(scale, v.dtype), keep_sparse=legacy_requested()) for g in slices]
     if clipvalue and clipvalue > 0:
-        return [tf.clip_by_value(g, -tf.cast(clipvalue, g.dtype), tf.cast(clipvalue, g.dtype)) for g in slices]
+        return [_on_entries(g, lambda v: tf.clip_by_value(v, -tf.cast(clipvalue, v.dtype), tf.cast(clipvalue, v.dtype)))
+                for g in slices]
     return slices
+
+
+def _on_entries(g, fn, keep_sparse=True):
+    if not isinstance(g, tf.IndexedSlices):
+        return fn(g)
+    clipped = tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
+    return clipped if keep_sparse else tf.convert_to_tensor(clipped)
 
 
 @contextlib.contextmanager
@@ -217,7 +271,7 @@ def whole_norms_known(copies, slices):
     """Inside, `whole_norms(copy, w, g)` returns the norms of each whole variable and its whole
     gradient (summed over the ranks' slices in one allreduce), for updates that read them
     (LARS and LARC's trust ratio)."""
-    squares = sums_of_squares([*copies, *slices])
+    squares = sums_of_squares([*copies, *[tf.convert_to_tensor(g) for g in slices]])  # ||g|| of the summed rows
     count = len(copies)
     outer = getattr(_local, "norms", None)
     _local.norms = {id(c): (tf.sqrt(squares[i]), tf.sqrt(squares[count + i])) for i, c in enumerate(copies)}

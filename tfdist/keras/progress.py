@@ -1,15 +1,14 @@
 """One voice: under a multi-rank `HorovodStrategy` only the chief (rank 0) prints Keras' progress.
 
-Every rank runs the same `fit`, so at Keras' default verbosity every rank would print the same
-progress bar, and launchers interleave them (`[1]<stdout>:[0]<stdout>:...`). Installed by
-`HorovodStrategy()`, this makes ranks other than 0 run `fit`, `evaluate` and `predict` with
-`verbose=0` when the call leaves `verbose` at Keras' default ("auto", or not given), on Keras 3 and
-tf-keras. The chief's output is Keras' own, and the logs it prints are global
-(`tfdist.keras.metrics`). A `verbose=` passed explicitly is obeyed on every rank:
+Every rank runs the same `fit`, so every rank would print the same progress bar or epoch line,
+and launchers interleave them (`[1]<stdout>:[0]<stdout>:...`). Installed by `HorovodStrategy()`,
+this makes ranks other than 0 run `fit`, `evaluate` and `predict` with `verbose=0`, whatever
+`verbose` the call passes ("auto", 1 or 2), on Keras 3 and tf-keras. The chief's output is Keras'
+own at the verbosity asked for, and the logs it prints are global (`tfdist.keras.metrics`):
 
 ```python
 model.fit(ds, epochs=3)                 # rank 0 prints the progress bar; the others print nothing
-model.fit(ds, epochs=3, verbose=1)      # every rank prints its bar
+model.fit(ds, epochs=3, verbose=2)      # rank 0 prints one line an epoch; the others print nothing
 ```
 
 The same ranks also ignore Keras' Python `UserWarning`s (e.g. "`shuffle=True` was passed, but
@@ -90,8 +89,7 @@ def _chief_only_progress(method):
             bound = signature.bind(self, *args, **kwargs)
         except TypeError:
             return method(self, *args, **kwargs)  # Keras' own error for the wrong arguments
-        if bound.arguments.get("verbose", "auto") == "auto":
-            bound.arguments["verbose"] = 0
+        bound.arguments["verbose"] = 0
         return method(*bound.args, **bound.kwargs)
 
     return wrapped

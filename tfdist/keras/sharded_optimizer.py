@@ -198,9 +198,10 @@ def sharded_update_step(optimizer, state, grads, variables, mode, update_one):
     keys = [optimizer._var_key(v) for v in variables]
     slices = [state.slice_of(k, v) for k, v in zip(keys, variables)]
     if mode == "local":
-        grads = strategy.extended.reduce_scatter(grads)
+        grads = strategy.extended.reduce_scatter(grads, variables)
     elif mode == "whole":
-        grads = [s.take(g) for s, g in zip(slices, grads)]
+        grads = [sharded.owned_entries(g, s.shape, s.ranks, s.rank) if isinstance(g, tf.IndexedSlices) else s.take(g)
+                 for s, g in zip(slices, grads)]
     grads = sharded.clip(grads, optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue)
     copies = [state.working_copy(k) for k in keys]
     for copy, variable_slice in zip(copies, slices):

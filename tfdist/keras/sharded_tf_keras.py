@@ -42,12 +42,13 @@ def install():
         return
     optimizer, loss_scaled = _compat.tf_keras_optimizer_classes(HOOK)
     _compat.require_methods(optimizer, ["build", "add_variable_from_reference", "_var_key", "apply_gradients",
-                                        "_clip_gradients", "_internal_apply_gradients", "_update_step",
+                                        "_clip_gradients", "_deduplicate_sparse_grad", "_internal_apply_gradients",
+                                        "_update_step",
                                         "save_own_variables", "load_own_variables"], HOOK, "tf_keras")
     _compat.require_methods(loss_scaled, ["apply_gradients"], HOOK, "tf_keras")
     patch = [("build", _wrap_build), ("add_variable_from_reference", _wrap_add_slot),
              ("_var_key", sharded_optimizer.wrap_var_key), ("apply_gradients", _wrap_apply),
-             ("_clip_gradients", sharded_optimizer.wrap_clip),
+             ("_clip_gradients", sharded_optimizer.wrap_clip), ("_deduplicate_sparse_grad", _wrap_deduplicate),
              ("_internal_apply_gradients", _wrap_internal_apply), ("save_own_variables", sharded_optimizer.wrap_save),
              ("load_own_variables", sharded_optimizer.wrap_load)]
     for name, wrap in patch:
@@ -102,14 +103,29 @@ def _wrap_apply(original):
     return apply_gradients
 
 
+def _wrap_deduplicate(original):
+    def _deduplicate_sparse_grad(self, grads):
+        if sharded.state_of(self) is None:
+            return original(self, grads)
+        return grads  # after the gather and the clip, in _internal_apply_gradients: as one process orders them
+    return _deduplicate_sparse_grad
+
+
 def _wrap_internal_apply(original):
     def _internal_apply_gradients(self, grads_and_vars):
         state = sharded.state_of(self)
         if state is None:
             return original(self, grads_and_vars)
         grads, variables = zip(*grads_and_vars)
+
+        def update_one(grad, copy):
+            # tf-keras sums a sparse gradient's repeated rows after clipping it (every rank's rows, here)
+            if isinstance(grad, tf.IndexedSlices):
+                grad = type(self)._deduplicate_sparse_grad.tfdist_original(self, [grad])[0]
+            return self._update_step(grad, copy)
+
         sharded_optimizer.sharded_update_step(self, state, list(grads), list(variables),
-                                              getattr(_apply, "mode", None) or "local", self._update_step)
+                                              getattr(_apply, "mode", None) or "local", update_one)
         return self.iterations.assign_add(1)
     return _internal_apply_gradients
 
@@ -126,11 +142,12 @@ def _wrap_loss_scaled_apply(original):
                 or hasattr(inner, "accumulation_steps")):
             return original(self, grads_and_vars, skip_gradients_aggregation=skip_gradients_aggregation, **kwargs)
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
-        slices = tf.distribute.get_strategy().extended.reduce_scatter([g for g, _ in grads_and_vars])
-        local = tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in slices]), tf.int32)
+        slices = tf.distribute.get_strategy().extended.reduce_scatter(*zip(*grads_and_vars))
+        local = tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(sharded.entries(s))) for s in slices]), tf.int32)
         finite_everywhere = collectives.allreduce([1 - local], op="sum", scope="tfdist_loss_scale_agreement")[0]
         poison = tf.where(tf.equal(finite_everywhere, 0), 0.0, float("nan"))
-        slices = [s + tf.cast(poison, s.dtype) for s in slices]
+        slices = [tf.IndexedSlices(s.values + tf.cast(poison, s.dtype), s.indices, s.dense_shape)
+                  if isinstance(s, tf.IndexedSlices) else s + tf.cast(poison, s.dtype) for s in slices]
         with sharded.scattered_already():
             return original(self, list(zip(slices, [v for _, v in grads_and_vars])),
                             skip_gradients_aggregation=True, **kwargs)
