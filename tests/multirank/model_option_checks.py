@@ -1,0 +1,120 @@
+"""Today's models under every exchange option, as their users write them: KerasHub's BERT classifier
+and GPT-2 causal LM (small configs, no weights; Keras 3 only) and a two-tower recommender with two
+large embedding tables (sparse tf.IndexedSlices gradients; both flavours).
+
+    horovodrun -np 2 python tests/multirank/model_option_checks.py --out DIR
+    python tests/multirank/model_option_checks.py --out DIR --reference     # 1 process, plain Keras
+
+Each model trains one epoch at global batch 16 under HorovodStrategy() with each option in
+OPTIONS (or, with --reference, with no strategy at all, also writing DIR/<model>.initial.rank0.npz).
+Each rank writes DIR/<model>.<option>.rank<R>.npz (the final weights) and DIR/rank<R>.json: per
+case the steps and the optimizer's state bytes on this rank.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
+
+quiet_tensorflow()
+
+import numpy as np  # noqa: E402
+
+keras = keras_module()
+KERAS3 = keras.__name__ == "keras"
+
+OPTIONS = {"default": {}, "sharded": {"shard_optimizer_state": True}, "one_group": {"bucket_mb": 0},
+           "bf16": {"compression": "bf16"}}
+EXAMPLES, GLOBAL_BATCH, SEQUENCE, VOCABULARY, TABLE = 64, 16, 8, 100, 50_000
+
+
+def adamw():
+    """AdamW as KerasHub's fine-tuning guides write it: decay excluded for biases and norms, clipped."""
+    optimizer = keras.optimizers.AdamW(1e-3, weight_decay=0.01, global_clipnorm=1.0)
+    optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+    return optimizer
+
+
+def bert():
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=VOCABULARY, num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, dropout=0.0, max_sequence_length=SEQUENCE)
+    model = keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=None, dropout=0.0)
+    rng = np.random.default_rng(1)
+    x = {"token_ids": rng.integers(0, VOCABULARY, (EXAMPLES, SEQUENCE)).astype("int32"),
+         "segment_ids": (np.arange(SEQUENCE) >= SEQUENCE // 2).astype("int32")[None].repeat(EXAMPLES, 0),
+         "padding_mask": np.ones((EXAMPLES, SEQUENCE), "int32")}
+    return model, adamw(), keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, rng.integers(0, 2, EXAMPLES)
+
+
+def gpt2():
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=VOCABULARY, num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, dropout=0.0, max_sequence_length=SEQUENCE)
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    tokens = np.random.default_rng(2).integers(0, VOCABULARY, (EXAMPLES, SEQUENCE + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((EXAMPLES, SEQUENCE), "int32")}
+    return model, adamw(), keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, tokens[:, 1:]
+
+
+def two_tower():
+    """A context Dense first, then two Embedding(TABLE, 16) towers: dense and sparse gradients mixed."""
+    context = keras.Input((4,), name="context")
+    user, item = keras.Input((1,), dtype="int32", name="user"), keras.Input((1,), dtype="int32", name="item")
+    c = keras.layers.Dense(8, activation="relu")(context)
+    u = keras.layers.Flatten()(keras.layers.Embedding(TABLE, 16)(user))
+    i = keras.layers.Flatten()(keras.layers.Embedding(TABLE, 16)(item))
+    u = keras.layers.Dense(16)(keras.layers.Concatenate()([u, c]))
+    model = keras.Model([context, user, item], keras.layers.Dot(axes=1)([u, i]))
+    rng = np.random.default_rng(3)
+    hot = rng.integers(0, TABLE, 40)  # popular ids: repeated within every batch, as in real traffic
+    x = [rng.normal(size=(EXAMPLES, 4)).astype("float32"), hot[rng.integers(0, 40, (EXAMPLES, 1))],
+         rng.integers(0, TABLE, (EXAMPLES, 1))]
+    return model, keras.optimizers.Adam(0.01), keras.losses.BinaryCrossentropy(from_logits=True), x, \
+        rng.integers(0, 2, (EXAMPLES, 1)).astype("float32")
+
+
+MODELS = {"bert": bert, "gpt2": gpt2, "two_tower": two_tower} if KERAS3 else {"two_tower": two_tower}
+
+
+def train(name, strategy, seed, out=None):
+    """`name`'s model trained one epoch under `strategy` (`out`: its initial weights saved there first)."""
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model, optimizer, loss, x, y = MODELS[name]()
+        model.compile(optimizer=optimizer, loss=loss)
+    if out is not None:
+        np.savez(os.path.join(out, f"{name}.initial.rank0.npz"), *[np.asarray(w) for w in model.weights])
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    state = sum(np.asarray(v).nbytes for v in model.optimizer.variables)
+    return model, {"steps": int(np.asarray(model.optimizer.iterations)), "state_bytes": state}
+
+
+def main():
+    args = worker_parser(reference=True).parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.reference:
+        import tensorflow as tf
+
+        cases = {(name, "reference"): train(name, tf.distribute.get_strategy(), 100, args.out) for name in MODELS}
+        rank = 0
+    else:
+        import tfdist
+
+        strategies = {option: tfdist.HorovodStrategy(tuning=False, **kwargs) for option, kwargs in OPTIONS.items()}
+        rank = strategies["default"].rank
+        cases = {(name, option): train(name, strategy, seed=100 + rank)  # the broadcast aligns the ranks
+                 for name in MODELS for option, strategy in strategies.items()}
+    results = {}
+    for (name, option), (model, facts) in cases.items():
+        np.savez(os.path.join(args.out, f"{name}.{option}.rank{rank}.npz"),
+                 *[np.asarray(w) for w in model.weights])
+        results[f"{name}.{option}"] = facts
+    write_results(args.out, rank, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Today's models under every exchange option, 2 ranks against one process as the user wrote it
+(no strategy): KerasHub's BERT classifier and GPT-2 causal LM (Keras 3; small configs built
+offline) and a two-tower recommender with two Embedding(50_000, 16) tables, whose gradients are
+tf.IndexedSlices beside dense ones (both flavours). One launch per flavour of
+tests/multirank/model_option_checks.py trains every (model, option) pair: the default exchange,
+shard_optimizer_state=True, bucket_mb=0 (one grouped allreduce) and compression="bf16"."""
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, flavor_env, read_results, run_job
+
+WORKER = ROOT / "tests" / "multirank" / "model_option_checks.py"
+EXACT = ("default", "sharded", "one_group")
+
+
+@pytest.fixture(scope="module", params=["keras3", "tf_keras"])
+def launch(request, tmp_path_factory):
+    """(reference folder, 2-rank folder, {rank: facts}, reference facts) for one flavour."""
+    if request.param == "keras3":
+        pytest.importorskip("keras_hub", reason="KerasHub is not installed (bash scripts/bootstrap.sh installs it)")
+    env = flavor_env(request.param)
+    reference = tmp_path_factory.mktemp(f"options_ref_{request.param}")
+    ref = run_job([WORKER, "--reference"], reference, np=None, env=env, timeout=600)[0]
+    two = tmp_path_factory.mktemp(f"options_two_{request.param}")
+    return reference, two, run_job([WORKER], two, np=2, env=env, timeout=900), ref, request.param
+
+
+def weights(folder, name, option, rank=0):
+    with np.load(folder / f"{name}.{option}.rank{rank}.npz") as saved:
+        return [saved[k] for k in saved.files]
+
+
+def distance(a, b):
+    return float(np.sqrt(sum(np.sum((x.astype("float64") - y) ** 2) for x, y in zip(a, b, strict=True))))
+
+
+@pytest.mark.multirank
+def test_every_model_and_option_trains_as_one_process(launch):
+    reference, two, ranks, ref, flavour = launch
+    models = {case.split(".")[0] for case in ranks[0]}
+    assert models == ({"bert", "gpt2", "two_tower"} if flavour == "keras3" else {"two_tower"})
+    report = []
+    for case, facts in ranks[0].items():
+        name, option = case.split(".")
+        want = ref[f"{name}.reference"]
+        assert facts["steps"] == ranks[1][case]["steps"] == want["steps"] > 0, case
+        mine, other, expected = weights(two, name, option), weights(two, name, option, 1), weights(reference, name, "reference")
+        assert all(np.array_equal(a, b) for a, b in zip(mine, other, strict=True)), f"{case}: ranks differ"
+        trained = distance(expected, weights(reference, name, "initial"))
+        off = distance(mine, expected)
+        report.append(f"{case} {off / trained:.1e}")
+        if option in EXACT:
+            for a, b in zip(mine, expected):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=case)
+        else:  # bf16 gradients: rounded, so close to one process, far closer than the training moved
+            assert off < 0.05 * trained, (case, off, trained)
+        if option == "sharded":  # Adam's state: half on each of 2 ranks (+10%)
+            assert facts["state_bytes"] <= want["state_bytes"] / 2 * 1.1, (case, facts["state_bytes"])
+    print(f"\n{flavour}, distance from one process / distance trained: " + ", ".join(report))
