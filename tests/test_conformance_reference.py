@@ -73,9 +73,10 @@ def test_tf_keras_step_values_are_summed_over_ranks_as_mwms_does(tmp_path_factor
 
 @pytest.mark.parametrize("job", [j for j in JOBS if j.startswith("horovod")])
 def test_gathering_values_of_different_rank_raises_invalid_argument(job, tmp_path_factory):
-    # TensorFlow's strategy_gather_test: InvalidArgumentError, as MWMS raises (Horovod raised
-    # FailedPreconditionError before tfdist's patch 0007).
+    # TensorFlow's strategy_gather_test: InvalidArgumentError matching "Shape mismatch", as MWMS
+    # raises (tfdist checks the shapes first; Horovod's own API keeps its FailedPreconditionError).
     parts = scenario(job, "gather_errors", tmp_path_factory)
     mwms = scenario("mwms-tf_keras", "gather_errors", tmp_path_factory)[0]
-    assert mwms == {"gather_rank": "InvalidArgumentError", "all_gather_rank": "InvalidArgumentError"}
+    assert mwms == {"gather_rank": "InvalidArgumentError", "all_gather_rank": "InvalidArgumentError",
+                    "gather_rank says 'Shape mismatch'": True, "all_gather_rank says 'Shape mismatch'": True}
     assert all(p == mwms for p in parts)

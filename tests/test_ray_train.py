@@ -59,8 +59,8 @@ def assert_one_job(ranks, workers, flavour, reference):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("workers, flavour", [
-    (4, "tf_keras"),  # Ray's default flavour (it sets TF_USE_LEGACY_KERAS=1)
-    pytest.param(2, "tf_keras", marks=extended_tier("Ray Train, 2 workers on tf-keras: 4 run here")),
+    (2, "tf_keras"),  # Ray's default flavour (it sets TF_USE_LEGACY_KERAS=1)
+    pytest.param(4, "tf_keras", marks=extended_tier("Ray Train, 4 workers on tf-keras: 2 run here")),
     pytest.param(4, "keras3", marks=extended_tier("Ray Train, 4 workers on Keras 3: 2 run here, killed and restarted")),
 ])
 def test_ray_train_workers_train_as_one_job_to_one_process_weights(tmp_path, references, workers, flavour):

@@ -212,13 +212,11 @@ def allreduce(tensors, op="sum", name=None, compression=None, scope="tfdist_allr
 
 def _allreduce(tensors, op, name, compression):
     hvd = horovod()
-    # Dense and tf.IndexedSlices apart: Horovod 0.28.1's grouped_allreduce gives a mixed group's
-    # sparse results the dense_shape of the group's first tensors (horovod/horovod#4293, unmerged).
     by_dtype = {}
     for i, t in enumerate(tensors):
-        by_dtype.setdefault((t.dtype, isinstance(t, tf.IndexedSlices)), []).append(i)
+        by_dtype.setdefault(t.dtype, []).append(i)
     out = [None] * len(tensors)
-    for (dtype, sparse), indices in by_dtype.items():
+    for dtype, indices in by_dtype.items():
         group_op = op
         if op == "average" and dtype.is_integer:
             group_op = "sum"
@@ -227,7 +225,7 @@ def _allreduce(tensors, op, name, compression):
             kwargs["compression"] = compression
         group_name = graph_name("HorovodGroupedAllreduce", name)
         if group_name is not None:
-            kwargs["name"] = f"{group_name}.{dtype.name}{'.sparse' if sparse else ''}"
+            kwargs["name"] = f"{group_name}.{dtype.name}"
         reduced = hvd.grouped_allreduce([tensors[i] for i in indices], **kwargs)
         for i, r in zip(indices, reduced):
             out[i] = r // hvd.size() if group_op != op else r

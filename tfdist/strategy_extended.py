@@ -254,12 +254,16 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         value = _compat.distribute_utils.select_replica(0, value)
         if collectives.size() == 1:
             return value
-        if axis != 0:
-            perm = [axis] + [d for d in range(len(value.shape)) if d != axis]
-            gathered = collectives.allgather(tf.transpose(value, perm))
-            inverse = [perm.index(d) for d in range(len(perm))]
-            return tf.transpose(gathered, inverse)
-        return collectives.allgather(value)
+        if not tf.executing_eagerly():
+            return _allgather_along(value, axis)
+        try:
+            return _allgather_along(value, axis)
+        except tf.errors.FailedPreconditionError as e:
+            # MWMS's error for values whose rank or other dimensions differ across replicas, with
+            # Horovod's detail (Horovod's own API keeps its FailedPreconditionError)
+            raise tf.errors.InvalidArgumentError(
+                None, None, f"Shape mismatch: gathering along axis {axis} needs the same rank and the same "
+                f"other dimensions on every replica. Horovod: {e.message}") from e
 
     def _local_results(self, value):
         if isinstance(value, tf.distribute.DistributedValues):  # incl. distributed variables
@@ -333,6 +337,15 @@ class _HorovodReplicaContext(tf.distribute.ReplicaContext):
     @property
     def devices(self):
         return self._strategy.extended.worker_devices
+
+
+def _allgather_along(value, axis):
+    if axis != 0:
+        perm = [axis] + [d for d in range(len(value.shape)) if d != axis]
+        gathered = collectives.allgather(tf.transpose(value, perm))
+        inverse = [perm.index(d) for d in range(len(perm))]
+        return tf.transpose(gathered, inverse)
+    return collectives.allgather(value)
 
 
 def _shapes_agree(tensors):

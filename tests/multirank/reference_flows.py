@@ -154,6 +154,7 @@ def gather_errors(run):
             results[name] = "no error"
         except Exception as e:  # noqa: BLE001 - the error's type is the result
             results[name] = type(e).__name__
+            results[f"{name} says 'Shape mismatch'"] = "Shape mismatch" in str(e)  # strategy_gather_test's regex
     return results
 
 
