@@ -153,11 +153,12 @@ def reduce_scatter(grads, variables, bucket_bytes=None, compression=None):
     update (Adam's per-entry squares) sees what it sees in one process.
     """
     ranks = collectives.size()
-    dense, sparse = [], []
+    dense, dense_at, sparse = [], [], []
     for i, (g, variable) in enumerate(zip(grads, variables, strict=True)):
         if isinstance(g, tf.IndexedSlices):
             sparse.append(i)
             continue
+        dense_at.append(i)
         g = tf.convert_to_tensor(g)
         if not g.shape.is_fully_defined():
             g = tf.reshape(g, variable.shape)
@@ -168,7 +169,7 @@ def reduce_scatter(grads, variables, bucket_bytes=None, compression=None):
     out = [None] * len(grads)
     scattered = _grouped(dense, bucket_bytes, lambda part: collectives.reducescatter(
         part, compression=compression, scope="tfdist_sharded_reducescatter"))
-    for i, value in zip([i for i in range(len(grads)) if i not in sparse], scattered):
+    for i, value in zip(dense_at, scattered):
         out[i] = value
     if sparse:
         gathered = collectives.allreduce([grads[i] for i in sparse], op="sum", scope="tfdist_sharded_sparse_gather")
