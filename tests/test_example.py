@@ -23,16 +23,17 @@ def test_first_run_script_trains_on_two_ranks_as_the_quick_start_shows():
     import re
     import subprocess
 
-    from conftest import BIN
+    from conftest import BIN, communicate_or_kill
 
     script = ROOT / "scripts" / "examples" / "first_run.py"
     code = script.read_text().split('"""\n\n', 1)[1]  # the script after its docstring
     assert f"```python\n{code}```" in (ROOT / "README.md").read_text()  # the README shows it as shipped
-    out = subprocess.run([str(BIN / "tfdist-run"), "-np", "2", "python", str(script)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    printed = re.findall(r"ranks: (\d+), test accuracy: ([\d.]+)", out.stdout)
-    assert len(printed) == 1, out.stdout  # the chief prints the global result once
+    proc = subprocess.Popen([str(BIN / "tfdist-run"), "-np", "2", "python", str(script)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})
+    stdout, stderr, timed_out = communicate_or_kill(proc, 300)  # on a timeout: every process' stacks
+    assert not timed_out and proc.returncode == 0, stdout[-6000:] + stderr[-3000:]
+    printed = re.findall(r"ranks: (\d+), test accuracy: ([\d.]+)", stdout)
+    assert len(printed) == 1, stdout  # the chief prints the global result once
     ranks, accuracy = printed[0]
     assert ranks == "2" and float(accuracy) >= 0.9
