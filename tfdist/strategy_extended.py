@@ -254,13 +254,12 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         value = _compat.distribute_utils.select_replica(0, value)
         if collectives.size() == 1:
             return value
-        if not tf.executing_eagerly():
-            return _allgather_along(value, axis)
         try:
             return _allgather_along(value, axis)
         except tf.errors.FailedPreconditionError as e:
-            # MWMS's error for values whose rank or other dimensions differ across replicas, with
-            # Horovod's detail (Horovod's own API keeps its FailedPreconditionError)
+            # Eagerly (inside a graph the error surfaces when the function runs): MWMS's error for
+            # values whose rank or other dimensions differ across replicas, with Horovod's detail
+            # (Horovod's own API keeps its FailedPreconditionError)
             raise tf.errors.InvalidArgumentError(
                 None, None, f"Shape mismatch: gathering along axis {axis} needs the same rank and the same "
                 f"other dimensions on every replica. Horovod: {e.message}") from e
