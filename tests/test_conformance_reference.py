@@ -49,6 +49,22 @@ def test_fit_on_distribute_datasets_from_function(job, tmp_path_factory):
 
 
 @pytest.mark.parametrize("job", [j for j in HOROVOD_JOBS if "keras3" in j])
+def test_keras3_model_built_outside_the_scope_adopts_the_strategy_and_trains_as_one_process(job, tmp_path_factory):
+    # Keras 3's tf_dataset_adapter_test builds and compiles outside every scope, then fits the
+    # strategy's distribute_datasets_from_function dataset: Keras ran it under the default
+    # strategy, which cannot take per-replica values. Each rank starts from other weights here.
+    parts = scenario(job, "outside_scope_fit", tmp_path_factory)
+    ref = single("outside_scope_fit", tmp_path_factory)
+    for key in ("weights", "loss", "evaluate", "other_weights", "other_loss"):
+        assert_same_on_workers(parts, key)
+    assert_close(parts[0]["weights"], ref["weights"], what="weights vs one process")
+    np.testing.assert_allclose(parts[0]["loss"], ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(parts[0]["evaluate"], ref["evaluate"], rtol=1e-5)
+    assert_close(parts[0]["other_weights"], ref["other_weights"], what="fitted in the scope: weights vs one process")
+    np.testing.assert_allclose(parts[0]["other_loss"], ref["other_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("job", [j for j in HOROVOD_JOBS if "keras3" in j])
 def test_keras3_step_values_are_the_mean_over_ranks(job, tmp_path_factory):
     # As MirroredStrategy's replicas on Keras 3: a custom train_step's own values are averaged.
     parts = scenario(job, "step_logs", tmp_path_factory)

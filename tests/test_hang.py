@@ -87,15 +87,18 @@ def test_ranks_in_different_collectives_are_named_and_the_job_ends(tmp_path):
     bound = max(e["bound"] for e in entered)
     hangs = [(at, rank, text) for at, rank, text in job.tfdist_lines() if text.startswith("tfdist hang:")]
     assert hangs, _job_failure(job, "no hang line")
-    first_at, first_rank, first = hangs[0]
+    first_at, _, first = hangs[0]
     warned_after, ended_after = first_at - began, ended - began
     print(f"\nwarn bound {bound:.1f} s; the line came {warned_after:.2f} s after both ranks waited, the job "
           f"ended {ended_after:.2f} s after (exit code {code}); {ended - job.start:.1f} s in all\n{first}")
     _, _, last = job.tfdist_lines()[-1]
     print(f"last: {last}")
-    assert first_rank == 0 and "Ending the job in" in first and "TFDIST_HANG_TIMEOUT=12" in first, first
+    # Rank 0 judges and prints, then sends the line to rank 1; horovodrun reads each rank's pipe in a
+    # thread of its own, so either copy may arrive first (rank 1's did once, in a loaded CI run).
+    assert "Ending the job in" in first and "TFDIST_HANG_TIMEOUT=12" in first, first
     assert bound - 1.5 <= warned_after <= bound + 3, (bound, warned_after)
-    assert any(rank == 1 and text == first for _, rank, text in hangs), "rank 1 did not print the line"
+    for rank in (0, 1):
+        assert any(r == rank and text == first for _, r, text in hangs), f"rank {rank} did not print the line"
     # The last tfdist line of the job is the detector's again, now stopping it.
     assert last.startswith("tfdist hang: ranks wait in different collectives") and \
         "Stopping every rank with exit code 3" in last, _job_failure(job, "another last line")

@@ -17,6 +17,7 @@ METRICS, PREDICT, CALLBACKS, PRECISION, QUIET = (
 GRADIENT_SUM = "gradient-sum marker"
 PREEMPTION, FIT_CALLBACKS = "preemption checkpoints", "tfdist fit callbacks"
 MODEL_BUILD = "model build without reading the dataset"
+ADOPT = "a model built outside the scope adopts the strategy of its data"
 
 # Run in the child: BREAK (may be empty), then HorovodStrategy(); prints one JSON line.
 CHILD = """
@@ -47,7 +48,11 @@ hooks = {{
     "keras3.TFOptimizer._all_reduce_sum_gradients": _compat.keras3_tf_optimizer_class("test")._all_reduce_sum_gradients,
     "keras3.TFOptimizer._clip_gradients": _compat.keras3_tf_optimizer_class("test")._clip_gradients,
     "keras3.fit": keras.Model.fit, "keras3.evaluate": keras.Model.evaluate, "keras3.predict": keras.Model.predict,
-    "keras3.fit, under the progress hook": getattr(keras.Model.fit, "tfdist_original", None),
+    "keras3.evaluate, under the adoption hook": getattr(keras.Model.evaluate, "tfdist_original", None),
+    "keras3.predict, under the adoption hook": getattr(keras.Model.predict, "tfdist_original", None),
+    "keras3.fit, under the adoption hook": getattr(keras.Model.fit, "tfdist_original", None),
+    "keras3.fit, under the progress hook": getattr(getattr(keras.Model.fit, "tfdist_original", None),
+                                                   "tfdist_original", None),
 }}
 optimizer = _compat.keras3_tf_optimizer_class("test")
 for name in ("build", "add_variable_from_reference", "_var_key", "_backend_update_step", "save_own_variables",
@@ -97,7 +102,9 @@ KERAS3_HOOKS = {
     "keras3.LossScaleOptimizer._tf_apply": PRECISION,
     "keras3.TFOptimizer._all_reduce_sum_gradients": GRADIENT_SUM,
     "keras3.TFOptimizer._clip_gradients": "clipping after the gradient sum",
-    "keras3.fit": QUIET, "keras3.evaluate": QUIET, "keras3.predict": QUIET,
+    "keras3.fit": ADOPT, "keras3.evaluate": ADOPT, "keras3.predict": ADOPT,
+    "keras3.fit, under the adoption hook": QUIET, "keras3.evaluate, under the adoption hook": QUIET,
+    "keras3.predict, under the adoption hook": QUIET,
     "keras3.fit, under the progress hook": FIT_CALLBACKS,
     **{f"keras3.TFOptimizer.{name}": None for name in (
         "build", "add_variable_from_reference", "_var_key", "_backend_update_step", "save_own_variables",

@@ -2,7 +2,8 @@
 
 Part of `tfdist._compat` (every private TensorFlow, Keras and Horovod internal in one place),
 apart for its size; checked against the same versions (`_compat.CHECKED_AGAINST`). Used by
-`callbacks.Checkpointer` and `tfdist.keras.preemption`:
+`callbacks.Checkpointer` and `tfdist.keras.preemption`; the strategy a Keras 3 model runs under and
+the one a distributed dataset comes from, by `tfdist.keras.adopted_strategy`:
 
 ```python
 from tfdist import _compat_state
@@ -97,3 +98,58 @@ def epoch_iterator_batch_spec(epoch_iterator, hook):
         raise hook_error(hook, "Keras' TFEpochIterator has no _distributed_dataset")
     # A PerReplicaSpec holds one spec per local replica: HorovodStrategy has one.
     return tf.nest.map_structure(lambda spec: getattr(spec, "_value_specs", (spec,))[0], dataset.element_spec)
+
+
+def distributed_dataset_strategy(value):
+    """The strategy that distributed `value` (a `tf.distribute.DistributedDataset`), else None."""
+    import tensorflow as tf
+
+    if isinstance(value, tf.distribute.DistributedDataset):
+        return getattr(value, "_strategy", None)
+    return None
+
+
+def keras3_model_strategy_unset(model):
+    """Whether a Keras 3 model was built outside every strategy's scope (it runs under the one in scope)."""
+    return hasattr(model, "_distribute_strategy") and model._distribute_strategy is None
+
+
+def keras3_tracked_variables(model):
+    """Every `keras.Variable` of a Keras 3 model: its layers', its metrics' and its optimizer's."""
+    found, seen = [], set()
+    optimizer = getattr(model, "optimizer", None)
+    groups = [model.variables, getattr(model, "metrics_variables", []),
+              getattr(optimizer, "variables", []) if optimizer is not None else []]
+    for variable in (v for group in groups for v in group):
+        if id(variable) not in seen and hasattr(variable, "_value"):
+            seen.add(id(variable))
+            found.append(variable)
+    return found
+
+
+def recreate_keras3_variable(variable):
+    """Give a Keras 3 `keras.Variable` a new TensorFlow variable holding its value, created in
+    the strategy scope the caller has entered (as if the layer had been built there)."""
+    import tensorflow as tf
+
+    old = variable._value
+    if old is None:
+        return  # not initialised yet: it is created where it is first built
+    variable._initialize(tf.convert_to_tensor(old))
+
+
+def set_keras3_model_strategy(model, strategy):
+    """Make a Keras 3 model (and its optimizer, built under TF's default strategy) run under
+    `strategy` from now on, as if built in its scope; the step functions Keras traced under
+    another strategy are dropped, to be traced again."""
+    from tfdist import _compat
+
+    default = _compat.distribute_lib._get_default_strategy()
+    model._distribute_strategy = strategy
+    optimizer = getattr(model, "optimizer", None)
+    for each in (optimizer, getattr(optimizer, "inner_optimizer", None)):  # Keras' TF optimizer's own copy
+        if getattr(each, "_distribution_strategy", None) is default:
+            each._distribution_strategy = strategy
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)

@@ -39,7 +39,7 @@ from tfdist.errors import KerasHookError
 from tfdist.exchange import casts
 from tfdist.exchange import gradients as gradient_exchange
 from tfdist.keras import callback_writes as keras_callbacks
-from tfdist.keras import chief_saves, fit_callbacks, model_build, recognise
+from tfdist.keras import adopted_strategy, chief_saves, fit_callbacks, model_build, recognise
 from tfdist.keras import preemption as keras_preemption
 from tfdist.keras import sharded_optimizer
 from tfdist.keras import metrics as keras_metrics
@@ -220,6 +220,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         fit_callbacks.install()
         keras_preemption.install()  # after keras_callbacks: it wraps BackupAndRestore's chief-only save
         quiet_ranks.install()  # only the chief prints Keras' progress bars and warnings
+        adopted_strategy.install()  # last, outermost: a model built outside the scope adopts it first
         if options.fused_batchnorm and not legacy_requested():
             from tfdist.keras import fused_batchnorm as fused_batchnorm_hook
 

@@ -10,6 +10,10 @@ conformance_checks.py and compared with MultiWorkerMirroredStrategy (tf-keras) o
   of unknown rank, tf-keras' distribute_strategy_test);
 - `dataset_fn_fit`: `fit` on a `distribute_datasets_from_function` dataset (Keras 3's
   tf_dataset_adapter_test), each rank feeding its own part;
+- `outside_scope_fit` (Keras 3): the same fit with the model built and compiled outside
+  `strategy.scope()`, each rank from its own initial weights, then `evaluate`; and a second such
+  model fitted inside the scope on a plain dataset. MirroredStrategy in one process takes both;
+  the model adopts the strategy (`tfdist.keras.adopted_strategy`) and trains from rank 0's weights;
 - `step_logs`: the values a custom `train_step` / `test_step` returns, reduced across replicas as
   Keras does it (Keras 3: the mean, as MirroredStrategy; tf-keras: the sum, as MWMS);
 - `gather_errors` (last: a failed collective may end MWMS's collectives): gathering values whose
@@ -100,6 +104,34 @@ def dataset_fn_fit(run):
     return {"loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()]}
 
 
+def outside_scope_fit(run):
+    if keras.__name__ != "keras":
+        return {"flavour": keras.__name__}  # tf-keras' fit stops with its own error, as under MWMS
+    strategy = run.strategy
+    x = (np.arange(32, dtype="float32") / 32)[:, None]
+    y = np.concatenate([x, 1 - x], axis=1)
+
+    def dataset_fn(context):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(context.num_input_pipelines, context.input_pipeline_id)
+        return ds.batch(context.get_per_replica_batch_size(8))
+
+    # As tf_dataset_adapter_test writes it: no scope at all. The seed differs by rank; the chief's is
+    # one process's.
+    model = keras.Sequential([keras.Input((1,)), dense(2, seed_for(run, 85), 1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    history = model.fit(dataset, epochs=2, verbose=0)
+    evaluated = model.evaluate(dataset, verbose=0)
+    # Built outside, fitted inside the scope on a dataset batched by the global batch.
+    other = keras.Sequential([keras.Input((1,)), dense(2, seed_for(run, 87), 1)])
+    other.compile(optimizer=keras.optimizers.SGD(0.2), loss="mse")
+    with strategy.scope():
+        other_history = other.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2, verbose=0)
+    return {"loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()],
+            "evaluate": float(evaluated), "other_loss": other_history.history["loss"],
+            "other_weights": [w.tolist() for w in other.get_weights()]}
+
+
 def _replica_id():
     context = tf.distribute.get_replica_context()
     return tf.cast(context.replica_id_in_sync_group if context is not None else 0, tf.float32)
@@ -162,6 +194,7 @@ REFERENCE_SCENARIOS = {
     "iterator_in_function": iterator_in_function,
     "unknown_shape_predict": unknown_shape_predict,
     "dataset_fn_fit": dataset_fn_fit,
+    "outside_scope_fit": outside_scope_fit,
     "step_logs": step_logs,
 }
 LAST_SCENARIOS = {"gather_errors": gather_errors}  # after every other scenario (see module)
