@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import BIN, ROOT
+from conftest import BIN, ROOT, flavor_env, python_results
 
 pytestmark = pytest.mark.multirank
 TINY = ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10", "--batch_size", "4",
@@ -169,6 +169,52 @@ def test_resnet50_v15_has_the_reference_parameter_count():
     assert strides["conv3_block1_2_conv"] == (2, 2) and strides["conv3_block1_1_conv"] == (1, 1)
 
 
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+def test_transformers_have_gpt2s_size_and_their_flops_count_every_matmul(flavour):
+    code = """
+import json
+import numpy as np
+from tfdist.benchmark import transformers
+from tfdist.keras.flavour import keras_module
+found = {}
+for name, seq_len in (("gpt2_small", 1024), ("bert_mini", 64)):
+    model = transformers.build(keras_module(), name, seq_len)
+    kernels = [w for w in model.weights if "kernel" in w.name or "kernel" in getattr(w, "path", "")]
+    found[name] = {"params": model.count_params(), "kernels": sum(int(np.prod(w.shape)) for w in kernels),
+                   "sparse_tables": [w.name for w in model.weights if w.shape[0] in (2,)]}
+print("RESULT " + json.dumps(found))
+"""
+    found = json.loads(python_results(code, env=flavor_env(flavour))[-1])
+    from tfdist.benchmark import transformers
+
+    # GPT-2 small's 124,439,808 (tied embeddings, 1024 positions) plus this model's untied output
+    # projection over the vocabulary (kernel and bias)
+    assert found["gpt2_small"]["params"] == 124_439_808 + 768 * 50257 + 50257
+    for name in ("gpt2_small", "bert_mini"):
+        assert found[name]["kernels"] == transformers.matmul_weights(name), name
+    assert transformers.train_flops_per_token("gpt2_small", 1024) == 3 * (2 * 123_532_032 + 4 * 12 * 1024 * 768)
+    assert len(found["bert_mini"]["sparse_tables"]) == 1  # the 2-row segment table
+
+
+def test_transformer_benchmark_reports_tokens_flops_and_efficiency_sharded_on_two_ranks(tmp_path):
+    result = tmp_path / "r.json"
+    out = script("tfdist-benchmark", ["--model", "bert_mini", "--seq_len", "16", "--batch_size", "2",
+                                      "--num_warmup_batches", "1", "--num_batches", "2", "--display_every", "2",
+                                      "--optimizer", "adamw", "--shard_optimizer_state", "--matmul_gflops", "50",
+                                      "--json", result], np=2)
+    assert re.search(r"Tokens: 16 a sequence, 64 a step; model FLOPs a training token: [\d.]+ M; optimizer: "
+                     r"adamw, sharded state", out), out
+    assert re.search(r"total tokens/sec: [\d.]+", out) and re.search(r"of the matmul rate given \(50 GFLOP/s\)", out)
+    data = json.loads(result.read_text())
+    from tfdist.benchmark import transformers
+
+    flops = transformers.train_flops_per_token("bert_mini", 16)
+    assert data["train_flops_per_token"] == flops
+    np.testing.assert_allclose(data["total_tokens_per_sec"], 16 * data["total_images_per_sec"])
+    np.testing.assert_allclose(data["efficiency"], data["total_tokens_per_sec"] * flops / 1e9 / 50)
+    assert all(np.isfinite(data["step_losses"]))
+
+
 def test_resnet20_has_the_cifar_resnets_size():
     from tfdist.benchmark.models import build_model
 
@@ -197,7 +243,11 @@ def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
     (["--learning_rate", "-0.1"], "argument --learning_rate: -0.1 is not positive"),
     (["--target_accuracy", "90"], "argument --target_accuracy: 90 is not in (0, 1]"),
     (["--model", "resnet5O"], "unknown model 'resnet5O': did you mean 'resnet50'? known models: resnet50, "
-                              "resnet50_v1.5, resnet20, mnist_cnn, trivial; or give your own as module:function"),
+                              "resnet50_v1.5, resnet20, mnist_cnn, trivial, gpt2_small, gpt_mini, bert_mini; or give "
+                              "your own as module:function"),
+    (["--model", "gpt_mini", "--data_dir", "/data"], "--model gpt_mini trains on synthetic tokens: no --data_dir"),
+    (["--shard_optimizer_state", "--variable_update", "horovod"],
+     "--shard_optimizer_state is for --variable_update tfdist, not horovod"),
     (["--model", "vgg16"], "unknown model 'vgg16': known models: resnet50,"),
     (["--lr_decay", "polynomial"], "--lr_decay needs --epochs"),
     (["--loss_scale", "--variable_update", "horovod"], "--loss_scale is for the Keras modes"),

@@ -25,6 +25,7 @@ from tfdist.errors import RankMismatchError
 from tfdist.exchange import gradients as gradient_exchange
 from tfdist.exchange import sharded
 from tfdist.keras import chief_saves, step_outputs
+from tfdist.keras.flavour import legacy_requested
 from tfdist.strategy_options import StrategyOptions
 
 log = logging.getLogger("tfdist")
@@ -234,7 +235,8 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
             values, _REDUCE_OPS[reduce_op], compression=self._compression if gradient_sum else None,
             bucket_bytes=self._bucket_bytes,
             adasum=self._adasum and gradient_sum, variables=variables,
-            compressor=self._compressor if variables is not None else None)
+            compressor=self._compressor if variables is not None else None,
+            merge_sparse=gradient_sum and legacy_requested())  # tf-keras' optimizers sum repeated rows
 
     @property
     def shard_optimizer_state(self):

@@ -93,6 +93,19 @@ def train(name, strategy, seed, out=None):
     return model, {"steps": int(np.asarray(model.optimizer.iterations)), "state_bytes": state}
 
 
+def repeated_rows_sent(strategy):
+    """What the optimizer's gradient sum makes of a tf.IndexedSlices whose rows repeat: entries and dense value."""
+    import tensorflow as tf
+
+    with strategy.scope():
+        table = tf.Variable(tf.zeros([5, 2]))
+    rank = strategy.rank
+    rows = tf.IndexedSlices(tf.fill([6, 2], float(rank + 1)), tf.constant([1, 1, 2, 2, 2, 3 + rank]),
+                            tf.constant([5, 2]))
+    summed = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(rows, table)])[0]
+    return {"entries": int(summed.values.shape[0]), "dense": tf.convert_to_tensor(summed).numpy().tolist()}
+
+
 def main():
     args = worker_parser(reference=True).parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -113,6 +126,8 @@ def main():
         np.savez(os.path.join(args.out, f"{name}.{option}.rank{rank}.npz"),
                  *[np.asarray(w) for w in model.weights])
         results[f"{name}.{option}"] = facts
+    if not args.reference:
+        results["repeated_rows"] = repeated_rows_sent(strategies["default"])
     write_results(args.out, rank, results)
 
 

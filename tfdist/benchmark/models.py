@@ -10,12 +10,16 @@
   filters, three stages of 3 basic blocks (16, 32, 64 filters), 0.27 M parameters; small inputs.
 - mnist_cnn: the classic Keras MNIST CNN (two convs, max-pool, dropout, two dense layers).
 - trivial: flatten + dense, to measure the input pipeline and framework overhead.
+- gpt2_small, gpt_mini, bert_mini: transformer language models on token ids
+  (`tfdist.benchmark.transformers`); the benchmark reports tokens/s and model FLOPs for them.
 
 Every model ends in a float32 softmax (`tfdist.precision.float32_softmax`), so mixed precision
 keeps the loss in float32.
 """
 
-MODELS = ("resnet50", "resnet50_v1.5", "resnet20", "mnist_cnn", "trivial")
+from tfdist.benchmark import transformers
+
+MODELS = ("resnet50", "resnet50_v1.5", "resnet20", "mnist_cnn", "trivial", *transformers.CONFIGS)
 
 
 def model_name(name):
@@ -33,9 +37,11 @@ def model_name(name):
         "module:function (a function of (image_size, num_classes) returning an uncompiled Keras model)")
 
 
-def build_model(keras, name, image_size, num_classes):
+def build_model(keras, name, image_size, num_classes, seq_len=128):
     from tfdist.precision import float32_softmax
 
+    if transformers.is_token_model(name):
+        return transformers.build(keras, name, seq_len)
     shape = (image_size, image_size, 3)
     if ":" in name:  # the user's own model: module:function(image_size, num_classes)
         import importlib

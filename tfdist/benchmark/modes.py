@@ -42,6 +42,7 @@ def start(args):
         device = {"auto": None, "cpu": "/cpu:0", "gpu": "gpu"}[args.device]
         strategy = HorovodStrategy(device, precision=args.precision, horovod=knobs, compression=args.compression,
                                    bucket_mb=args.bucket_mb, fused_batchnorm=args.fused_batchnorm == "on",
+                                   shard_optimizer_state=args.shard_optimizer_state,
                                    tuning=False if args.no_tuning else (overrides or True))
         tuning = strategy.tuning_plan.summary() if strategy.tuning_plan else "off"
         from tfdist.keras import fused_batchnorm as keras_fused_batchnorm

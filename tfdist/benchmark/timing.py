@@ -25,17 +25,19 @@ class StepTimer:
         self.times.append(time.perf_counter() - self._start)
 
 
-def report(args, timer, global_batch, rank):
+def report(args, timer, global_batch, rank, unit="images", per_example=1):
+    """Print tf_cnn_benchmarks' lines on rank 0 (per interval, then the total); returns the total
+    examples/s. `unit` and `per_example` name what is counted (tokens: `seq_len` an example)."""
     timed = timer.times[args.num_warmup_batches:]
-    speeds = [global_batch / t for t in timed]
+    speeds = [global_batch * per_example / t for t in timed]
     if rank == 0:
         for start in range(0, len(speeds), args.display_every):
             chunk = speeds[start : start + args.display_every]
             mean = statistics.mean(chunk)
             std = statistics.pstdev(chunk) if len(chunk) > 1 else 0.0
             mad = statistics.median([abs(s - statistics.median(chunk)) for s in chunk])
-            print(f"{start + len(chunk)}\timages/sec: {mean:.2f} +/- {std:.2f} (jitter = {mad:.2f})")
-        print(f"total images/sec: {len(timed) * global_batch / sum(timed):.2f}")
+            print(f"{start + len(chunk)}\t{unit}/sec: {mean:.2f} +/- {std:.2f} (jitter = {mad:.2f})")
+        print(f"total {unit}/sec: {len(timed) * global_batch * per_example / sum(timed):.2f}")
     return len(timed) * global_batch / sum(timed)
 
 

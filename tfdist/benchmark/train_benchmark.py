@@ -29,6 +29,7 @@ import time
 
 from tfdist.benchmark import argtypes
 from tfdist.tuning import startup
+from tfdist.benchmark import transformers
 from tfdist.benchmark.models import MODELS, build_model, model_name
 from tfdist.benchmark.modes import mwms_tf_config, start
 from tfdist.benchmark.timing import StepTimer, accuracy_summary, report
@@ -40,6 +41,12 @@ PARSER.add_argument("--model", default="resnet50", type=model_name,
 PARSER.add_argument("--batch_size", type=argtypes.positive_int, default=32, help="per replica")
 PARSER.add_argument("--image_size", type=argtypes.positive_int, default=224)
 PARSER.add_argument("--num_classes", type=argtypes.positive_int, default=1000)
+PARSER.add_argument("--seq_len", type=argtypes.positive_int, default=128, help="tokens a sequence (transformer models)")
+PARSER.add_argument("--optimizer", choices=["momentum", "adamw"], default="momentum",
+                    help="SGD with momentum 0.9 (tf_cnn_benchmarks'), or AdamW (what transformers train with)")
+PARSER.add_argument("--matmul_gflops", type=argtypes.positive_float, help="this machine's matmul rate in the "
+                    "run's precision (scripts/benchmarks/matmul_rate.py): transformer models report their "
+                    "model FLOP rate as a fraction of it")
 PARSER.add_argument("--num_warmup_batches", type=argtypes.nonnegative_int, default=2)
 PARSER.add_argument("--num_batches", type=argtypes.positive_int, default=10)
 PARSER.add_argument("--display_every", type=argtypes.positive_int, default=5)
@@ -78,6 +85,8 @@ PARSER.add_argument("--compression", default=None, help="tfdist: HorovodStrategy
 PARSER.add_argument("--bucket_mb", type=argtypes.nonnegative_float,
                     help="tfdist: HorovodStrategy(bucket_mb=...): 0 one collective after backprop, else buckets "
                     "of about that many MB (default: each gradient as it is ready)")
+PARSER.add_argument("--shard_optimizer_state", action="store_true",
+                    help="tfdist: HorovodStrategy(shard_optimizer_state=True), each rank keeps 1/N of the optimizer state")
 PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
                     help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
@@ -88,6 +97,10 @@ PARSER.add_argument("--json", help="write the result (every step time) here (ran
 def input_dataset(args, input_context=None, training=True):
     from tfdist.pipelines import preprocessing, read_dataset
 
+    if transformers.is_token_model(args.model):
+        vocabulary = transformers.CONFIGS[args.model]["vocabulary"]
+        ds = transformers.synthetic_tokens(args.batch_size, args.seq_len, vocabulary)
+        return ds, "synthetic tokens (one batch made once, no I/O)", None
     if not args.data_dir:
         ds = preprocessing.synthetic_dataset(args.batch_size, image_size=args.image_size,
                                              num_classes=args.num_classes)
@@ -122,8 +135,8 @@ def run_keras_fit(args, keras, strategy, rank):
 
         learning_rate = polynomial_decay(learning_rate, total_steps=args.epochs * plan.steps_per_epoch)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = build_model(keras, args.model, args.image_size, args.num_classes)
-        optimizer = keras.optimizers.SGD(learning_rate, momentum=0.9)
+        model = build_model(keras, args.model, args.image_size, args.num_classes, args.seq_len)
+        optimizer = make_optimizer(keras, args, learning_rate)
         if args.loss_scale:
             optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
         model.compile(optimizer=optimizer,
@@ -166,6 +179,12 @@ def run_keras_fit(args, keras, strategy, rank):
     return timer, source, history
 
 
+def make_optimizer(keras, args, learning_rate):
+    if args.optimizer == "adamw":
+        return keras.optimizers.AdamW(learning_rate, weight_decay=0.01)
+    return keras.optimizers.SGD(learning_rate, momentum=0.9)
+
+
 def distributed_input(args, strategy, training):
     if strategy is None:
         return input_dataset(args, training=training)
@@ -183,8 +202,8 @@ def run_horovod_loop(args, keras):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    model = build_model(keras, args.model, args.image_size, args.num_classes)
-    optimizer = keras.optimizers.SGD(args.learning_rate * hvd.size(), momentum=0.9)
+    model = build_model(keras, args.model, args.image_size, args.num_classes, args.seq_len)
+    optimizer = make_optimizer(keras, args, args.learning_rate * hvd.size())
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
     ds, source, _ = input_dataset(args)
 
@@ -252,6 +271,10 @@ def main():
         PARSER.error(f"--bucket_mb is for --variable_update tfdist, not {args.variable_update}")
     if args.loss_scale and args.variable_update == "horovod":
         PARSER.error("--loss_scale is for the Keras modes (tfdist, mwms, none), not Horovod's own loop")
+    if transformers.is_token_model(args.model) and (args.data_dir or args.epochs):
+        PARSER.error(f"--model {args.model} trains on synthetic tokens: no --data_dir or --epochs")
+    if args.shard_optimizer_state and args.variable_update != "tfdist":
+        PARSER.error(f"--shard_optimizer_state is for --variable_update tfdist, not {args.variable_update}")
     if args.precision == "auto" and args.variable_update != "tfdist":
         PARSER.error(f"--precision auto is for --variable_update tfdist; name a policy for {args.variable_update}")
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
@@ -288,6 +311,10 @@ def main():
         f"Mode: {args.variable_update}  ranks: {size}  batch/replica: {args.batch_size}  "
         f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  xla: {args.xla}",
         f"Data: {args.data_dir or 'synthetic (one batch made once, no I/O)'}",
+        *([f"Tokens: {args.seq_len} a sequence, {global_batch * args.seq_len} a step; model FLOPs a training "
+           f"token: {transformers.train_flops_per_token(args.model, args.seq_len) / 1e6:.1f} M; optimizer: "
+           f"{args.optimizer}{', sharded state' if args.shard_optimizer_state else ''}"]
+          if transformers.is_token_model(args.model) else []),
         f"Tuning: {tuning}",
         f"In effect (rank 0, as TensorFlow reports it): {tuning_lib.describe(effect)}",
         f"Warm-up batches (excluded): {args.num_warmup_batches}, timed batches: "
@@ -304,12 +331,15 @@ def main():
         timer, source, history = run_horovod_loop(args, keras)
     else:
         timer, source, history = run_keras_fit(args, keras, strategy, rank)
-    total = report(args, timer, global_batch, rank)
+    tokens = transformers.is_token_model(args.model)
+    total = report(args, timer, global_batch, rank, *(("tokens", args.seq_len) if tokens else ()))
     result = {"args": vars(args), "argv": sys.argv, "header": header, "ranks": size, "global_batch": global_batch,
               "total_images_per_sec": total, "step_seconds": timer.times, "step_losses": timer.losses,
               "warmup_steps_excluded": args.num_warmup_batches, "data": source, "tuning": tuning,
               "in_effect": {**effect, "cpus": list(effect["cpus"])}, "early_settings": startup.state(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if tokens:
+        result.update(token_rates(args, total, rank))
     if history is not None:
         result.update(accuracy_summary(args, history))
         if rank == 0:
@@ -320,6 +350,21 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     _exit_now(0)
+
+
+def token_rates(args, examples_per_sec, rank):
+    """Tokens/s, the model's FLOP rate and (with --matmul_gflops) its fraction of the matmul rate."""
+    flops = transformers.train_flops_per_token(args.model, args.seq_len)
+    tokens_per_sec = examples_per_sec * args.seq_len
+    gflops = tokens_per_sec * flops / 1e9
+    rates = {"total_tokens_per_sec": tokens_per_sec, "train_flops_per_token": flops, "model_gflops_per_sec": gflops}
+    line = f"model GFLOP/s: {gflops:.1f} ({flops / 1e6:.1f} MFLOP a token, all ranks)"
+    if args.matmul_gflops:
+        rates["efficiency"] = gflops / args.matmul_gflops
+        line += f"; {100 * rates['efficiency']:.1f}% of the matmul rate given ({args.matmul_gflops:g} GFLOP/s)"
+    if rank == 0:
+        print(line, flush=True)
+    return rates
 
 
 def _exit_now(code):

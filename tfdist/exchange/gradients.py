@@ -52,8 +52,23 @@ def buckets(values, bucket_bytes):
     return groups + [current] if current else groups
 
 
-def exchange(values, op, compression=None, bucket_bytes=0, adasum=False, compressor=None, variables=None):
+def merge_repeated_rows(value):
+    """A `tf.IndexedSlices` with each repeated row index once, its rows summed (the same dense
+    value); anything else unchanged."""
+    if not isinstance(value, tf.IndexedSlices):
+        return value
+    indices, positions = tf.unique(value.indices)
+    rows = tf.math.unsorted_segment_sum(value.values, positions, tf.size(indices))
+    return tf.IndexedSlices(rows, indices, value.dense_shape)
+
+
+def exchange(values, op, compression=None, bucket_bytes=0, adasum=False, compressor=None, variables=None,
+             merge_sparse=False):
     """Reduce `values` across ranks: Adasum if `adasum`, else `op`.
+
+    `merge_sparse`: send each `tf.IndexedSlices` with its repeated rows merged (horovod/horovod#3328),
+    for consumers that sum repeated rows anyway (tf-keras' optimizers do, before any update; Keras
+    3's square each looked-up row apart, so their sparse gradients go as they are).
 
     `bucket_bytes`: None sends each value as an allreduce of its own the moment it exists
     (Horovod fuses whatever is ready each cycle), 0 one grouped allreduce, else buckets of about
@@ -68,6 +83,8 @@ def exchange(values, op, compression=None, bucket_bytes=0, adasum=False, compres
             return compressor.reduce(part, [variables[i] for i in indices])
         return collectives.allreduce(part, op=op, compression=compression)
 
+    if merge_sparse and not adasum:
+        values = [merge_repeated_rows(v) for v in values]
     if bucket_bytes is None:
         parts = [[i] for i in reversed(range(len(values)))]
     elif bucket_bytes:

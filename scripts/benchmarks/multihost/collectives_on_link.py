@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --out /tmp/collectives
     .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --sizes_mb 12 24 48 --out /tmp/gathers
+    .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --sparse --out /tmp/sparse
 
 Two network namespaces on a shaped veth pair (tests/emulate_hosts.py), one rank per host on a
 core of its own, started as scripts/benchmarks/multihost_benchmark.py starts its ranks (an srun
@@ -10,7 +11,10 @@ the allreduce of one tensor of --elements values in float32, bfloat16 and float1
 alltoall and allgather that tfdist's bfloat16 allreduce is made of (Horovod has no bfloat16
 alltoall: float16 moves the same bytes), and the float32 reduce-scatter and allgather of the sharded
 exchange, best of --repeats after one untimed call; with --sizes_mb, only a float32 allgather and
-alltoall of each size. Prints rank 0's milliseconds and writes them, with the link and the
+alltoall of each size; with --sparse, the sparse gradients of SPARSE_TABLES three ways: as tfdist
+sends a `tf.IndexedSlices` (Horovod allgathers every looked-up row and its index), with repeated
+rows merged first (horovod/horovod#3328), and densified (one allreduce of the whole table).
+--rate_gbit 0 leaves the link unshaped. Prints rank 0's milliseconds and writes them, with the link and the
 command, to <out>.json.
 """
 
@@ -24,6 +28,35 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+
+
+# name: (table rows, width, looked-up rows a rank a step, ids drawn from how many rows)
+SPARSE_TABLES = {
+    "two-tower item table": (200_000, 64, 256, 200_000),  # a batch of 256 ids, few repeats
+    "BERT token table": (8192, 256, 2048, 8192),  # 16 sequences of 128 tokens (bert_mini)
+    "BERT segment table": (2, 256, 2048, 2),  # every token looks up row 0 or 1
+}
+
+
+def sparse_cases(best_ms, hvd, tf):
+    from tfdist import collectives
+    from tfdist.exchange.gradients import merge_repeated_rows as merged
+
+    found = {}
+    for name, (rows, width, looked_up, drawn) in SPARSE_TABLES.items():
+        ids = tf.random.uniform([looked_up], 0, drawn, dtype=tf.int64, seed=hvd.rank() + 1)
+        g = tf.IndexedSlices(tf.random.normal([looked_up, width], seed=hvd.rank()), ids, tf.constant([rows, width], tf.int64))
+        unique = int(tf.size(tf.unique(ids)[0]))
+        n = hvd.size()
+        found[name] = {"rows": rows, "width": width, "looked_up": looked_up, "unique_here": unique,
+                       "bytes_received": {"entries": (n - 1) * looked_up * (4 * width + 8),
+                                          "merged": (n - 1) * unique * (4 * width + 8),
+                                          "dense": 2 * (n - 1) * rows * width * 4 // n}}
+        key = name.replace(" ", "_")
+        for how, prepare in (("entries", lambda g: g), ("merged", merged), ("dense", tf.convert_to_tensor)):
+            best_ms(f"{name}, {how}", lambda v, k=f"{key}.{how}", p=prepare:
+                    tf.reduce_sum(tf.convert_to_tensor(collectives.allreduce([p(v)], name=k)[0])), g)
+    return found
 
 
 def rank_main(args):
@@ -46,6 +79,9 @@ def rank_main(args):
             times.append(time.perf_counter() - started)
         results[label] = round(min(times) * 1e3, 1)
 
+    if args.sparse:
+        results["tables"] = sparse_cases(best_ms, hvd, tf)
+        return write(args, hvd, results)
     if args.sizes_mb:  # allgather and alltoall alone, size by size (patch 0013: each at the link's rate)
         for size_mb in args.sizes_mb:
             n = int(size_mb * 2 ** 20 / 4)
@@ -85,6 +121,7 @@ def main(argv=None):
     parser.add_argument("--elements", type=int, default=12288 * 2048, help="the wide MLP's largest kernel")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes_mb", type=float, nargs="+", help="instead: float32 allgather and alltoall of each size")
+    parser.add_argument("--sparse", action="store_true", help="instead: the sparse exchange of SPARSE_TABLES, three ways")
     parser.add_argument("--out", help="write <out>.json")
     parser.add_argument("--result", help=argparse.SUPPRESS)  # set on the ranks
     args = parser.parse_args(argv)
@@ -99,7 +136,8 @@ def main(argv=None):
         measured = hosts.measure_rate(0, 1, 32 << 20)
         result = os.path.join(scratch, "rank0.json")
         argv = [sys.executable, os.path.abspath(__file__), "--elements", str(args.elements), "--repeats",
-                str(args.repeats), "--result", result, *(["--sizes_mb", *map(str, args.sizes_mb)] if args.sizes_mb else [])]
+                str(args.repeats), "--result", result, *(["--sizes_mb", *map(str, args.sizes_mb)] if args.sizes_mb else []),
+                *(["--sparse"] if args.sparse else [])]
         procs = []
         for r in range(2):
             env = {**bench.clean_env(), **bench.rank_env(hosts, "ready", r, job), **bench.THREADS}
@@ -111,11 +149,16 @@ def main(argv=None):
             sys.exit(f"ranks exited with {codes}\n" + open(os.path.join(scratch, "task0.log")).read()[-3000:])
         results = json.load(open(result))
     header = f"link {link.describe()}, measured {measured:.3f} Gbit/s; {bench.cpu_model()}"
+    tables = results.pop("tables", {})
     print(header + "\n" + "\n".join(f"{k}: {v} ms" for k, v in results.items()))
+    for name, table in tables.items():
+        print(f"{name}: {table['rows']} x {table['width']}, {table['looked_up']} rows looked up a rank "
+              f"({table['unique_here']} different on rank 0); bytes rank 0 receives: {table['bytes_received']}")
     if args.out:
         with open(f"{args.out}.json", "w") as f:
             json.dump({"command": " ".join([sys.executable, *sys.argv]), "link": header,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "ms": results}, f, indent=1)
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "ms": results,
+                       "tables": tables}, f, indent=1)
     return 0
 
 
