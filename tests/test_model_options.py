@@ -3,7 +3,9 @@
 offline) and a two-tower recommender with two Embedding(50_000, 16) tables, whose gradients are
 tf.IndexedSlices beside dense ones (both flavours). One launch per flavour of
 tests/multirank/model_option_checks.py trains every (model, option) pair: the default exchange,
-shard_optimizer_state=True, bucket_mb=0 (one grouped allreduce) and compression="bf16"."""
+shard_optimizer_state=True, bucket_mb=0 (one grouped allreduce), bucket_mb=1 (1 MB buckets, so
+sparse and dense gradients share some) and compression="bf16". op="adasum" with a sparse gradient
+beside dense ones needs mpirun: tests/test_mpi.py."""
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from conftest import ROOT, flavor_env, read_results, run_job
 
 WORKER = ROOT / "tests" / "multirank" / "model_option_checks.py"
-EXACT = ("default", "sharded", "one_group")
+EXACT = ("default", "sharded", "one_group", "buckets")
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])

@@ -149,6 +149,18 @@ def test_adasum_exchange_is_the_adasum_of_the_local_gradients(mpi, keras_flavor,
     assert not np.allclose(np.concatenate([np.ravel(t) for t in exchanged]), whole, rtol=1e-4)
 
 
+def test_adasum_combines_a_sparse_gradient_beside_dense_ones_densified(mpi, keras_flavor, tmp_path_factory):
+    # An Embedding's tf.IndexedSlices gradient with repeated ids, beside the Dense kernel and bias:
+    # Horovod's Adasum has no sparse form, so it is densified and combined per tensor as the others.
+    ranks, _ = mpi_results(keras_flavor, tmp_path_factory)
+    result = ranks[0]["adasum_sparse_exchange"]
+    assert result["sparse_locally"] == [True, False, False]
+    local = [ranks[r]["adasum_sparse_exchange"]["local"] for r in (0, 1)]
+    assert ranks[1]["adasum_sparse_exchange"]["exchanged"] == result["exchanged"]
+    for a, b, got in zip(*local, result["exchanged"]):
+        np.testing.assert_allclose(got, numpy_adasum(a, b).reshape(np.shape(got)), rtol=1e-5, atol=1e-6)
+
+
 def test_adasum_with_global_clipnorm_clips_the_combined_gradient(mpi, keras_flavor, tmp_path_factory):
     """Issue 30: the optimizer clips what it applies, the Adasum of the ranks' gradients (had each
     rank clipped its own part first, the result would differ)."""

@@ -25,7 +25,7 @@ keras = keras_module()
 KERAS3 = keras.__name__ == "keras"
 
 OPTIONS = {"default": {}, "sharded": {"shard_optimizer_state": True}, "one_group": {"bucket_mb": 0},
-           "bf16": {"compression": "bf16"}}
+           "buckets": {"bucket_mb": 1}, "bf16": {"compression": "bf16"}}
 EXAMPLES, GLOBAL_BATCH, SEQUENCE, VOCABULARY, TABLE = 64, 16, 8, 100, 50_000
 
 

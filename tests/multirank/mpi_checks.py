@@ -63,16 +63,21 @@ def average_fit(strategy):
 ADASUM_CLIP = 0.05  # global_clipnorm, well below the Adasum of this problem's first gradients
 
 
-def adasum_exchange(strategy, clip=None):
+def adasum_exchange(strategy, clip=None, sparse=False):
     """One SGD(1.0) step of a custom loop: the weights move by exactly the exchanged gradient
-    (with `clip`, SGD(1.0, global_clipnorm=clip): the exchanged gradient, clipped)."""
+    (with `clip`, SGD(1.0, global_clipnorm=clip): the exchanged gradient, clipped; with `sparse`,
+    an Embedding first, whose tf.IndexedSlices gradient is exchanged beside the dense ones)."""
     size, rng = strategy.size, np.random.default_rng(11)
     global_batch = PER_RANK_BATCH * size
     x = rng.normal(size=(global_batch, 4)).astype("float32")
+    if sparse:  # ids with repeats, within and across ranks
+        x = rng.integers(0, 6, (global_batch, 4)).astype("int32")
     y = rng.normal(size=(global_batch, 3)).astype("float32")
     with strategy.scope():
         keras.utils.set_random_seed(5)
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        layers = [keras.layers.Embedding(6, 2), keras.layers.Flatten()] if sparse else []
+        model = keras.Sequential([keras.Input((4,), dtype="int32" if sparse else "float32"), *layers,
+                                  keras.layers.Dense(3)])
         optimizer = keras.optimizers.SGD(1.0, global_clipnorm=clip)
         optimizer.build(model.trainable_variables)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
@@ -96,7 +101,8 @@ def adasum_exchange(strategy, clip=None):
 
     step(batch_x, batch_y)
     exchanged = [b - v.numpy() for b, v in zip(before, model.trainable_variables)]
-    return {"local": [g.numpy().tolist() for g in local], "exchanged": [g.tolist() for g in exchanged]}
+    return {"local": [tf.convert_to_tensor(g).numpy().tolist() for g in local], "exchanged": [g.tolist() for g in exchanged],
+            "sparse_locally": [isinstance(g, tf.IndexedSlices) for g in local]}
 
 
 def adasum_fit(strategy):
@@ -120,6 +126,7 @@ def main():
         adasum = tfdist.HorovodStrategy(tuning=False, op="adasum")
         results["adasum_exchange"] = adasum_exchange(adasum)
         results["adasum_clipped_exchange"] = adasum_exchange(adasum, clip=ADASUM_CLIP)
+        results["adasum_sparse_exchange"] = adasum_exchange(adasum, sparse=True)
         results["adasum_fit"] = adasum_fit(adasum)
         results["bf16_exchange"] = bf16_checks.exchange_checks()
     write_results(args.out, strategy.rank, results)
