@@ -79,6 +79,16 @@ SPARSE_CASES = {
 }
 if TF_KERAS:  # its EMA is refused under sharding (tests/test_sharded.py checks the message)
     del FIT_CASES["adam_ema"]
+
+    class _OwnDeduplication(K.Adam):
+        """An Adam whose subclass overrides tf-keras' summing of repeated rows (and calls it)."""
+
+        tfdist_shardable = True  # a subclass of a shardable optimizer says so itself (LIMITS.md)
+
+        def _deduplicate_sparse_grad(self, grads):
+            return super()._deduplicate_sparse_grad(grads)
+
+    SPARSE_CASES["sparse_adam_own_deduplication"] = lambda: _OwnDeduplication(0.01)
 CLIPPED = ("adam_clipnorm", "sgd_global_clipnorm", "sgd_clipvalue")
 ON_FOUR_RANKS = ("adam", "lars", "sgd_global_clipnorm", "adam_accumulated", "sparse_adam", "sparse_adam_clipnorm")
 WHOLE_SLOTS = ("adam_accumulated", "sgd_global_clipnorm_accumulated", "loss_scaled_accumulated", "adam_ema")

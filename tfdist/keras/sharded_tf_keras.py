@@ -105,7 +105,7 @@ def _wrap_apply(original):
 
 def _wrap_deduplicate(original):
     def _deduplicate_sparse_grad(self, grads):
-        if sharded.state_of(self) is None:
+        if sharded.state_of(self) is None or getattr(_apply, "deduplicate", False):
             return original(self, grads)
         return grads  # after the gather and the clip, in _internal_apply_gradients: as one process orders them
     return _deduplicate_sparse_grad
@@ -120,8 +120,13 @@ def _wrap_internal_apply(original):
 
         def update_one(grad, copy):
             # tf-keras sums a sparse gradient's repeated rows after clipping it (every rank's rows, here)
+            # (through the optimizer's own method, so a subclass that overrides it is followed)
             if isinstance(grad, tf.IndexedSlices):
-                grad = type(self)._deduplicate_sparse_grad.tfdist_original(self, [grad])[0]
+                _apply.deduplicate = True
+                try:
+                    grad = self._deduplicate_sparse_grad([grad])[0]
+                finally:
+                    _apply.deduplicate = False
             return self._update_step(grad, copy)
 
         sharded_optimizer.sharded_update_step(self, state, list(grads), list(variables),
