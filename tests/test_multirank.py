@@ -255,3 +255,19 @@ def test_overflow_on_one_rank_is_skipped_by_all_ranks(keras_flavor, tmp_path):
     assert scales[2] == scales[1] / 2  # the overflow step halved the scale ...
     assert s0[2]["weights"] == s0[1]["weights"]  # ... and applied nothing
     assert s0[3]["weights"] != s0[2]["weights"] and scales[3:] == [scales[2]] * 3  # training went on
+
+
+def test_horovod_cycle_follows_the_measured_train_step(keras_flavor, tmp_path_factory):
+    from tfdist.tuning.cycle import cycle_for_step_ms
+
+    ranks, _ = train_results(keras_flavor, tmp_path_factory)
+    for rank in (0, 1):
+        before, after = ranks[rank]["cycle_before"], ranks[rank]["cycle"]
+        # the earlier fits were too short to measure (12 steps): tfdist's CPU default still runs
+        assert before == {"choice": None, "horovod_reports_ms": 10.0}
+        choice = after["choice"]
+        assert choice["cycle_ms"] == cycle_for_step_ms(choice["step_ms"]) < 10, choice   # steps of a few ms
+        assert after["horovod_reports_ms"] == choice["in_effect_ms"] == choice["cycle_ms"]   # Horovod's own word
+    line = ranks[0]["cycle"]["printed"]
+    assert len(line) == 1 and f"{ranks[0]['cycle']['choice']['cycle_ms']:g} ms" in line[0], line
+    assert ranks[1]["cycle"]["printed"] == []   # the chief alone says it

@@ -163,6 +163,21 @@ def test_cpu_jobs_get_a_slower_horovod_cycle_gpu_jobs_keep_the_default(monkeypat
     import os
 
     assert os.environ["HOROVOD_CYCLE_TIME"] == "10"
+    # only tfdist's own CPU default follows the steps later: not the user's, not a measured one
+    assert tuning.cycle_is_cpu_default({"HOROVOD_CYCLE_TIME": tuning.horovod_defaults(0)["HOROVOD_CYCLE_TIME"]})
+    assert not tuning.cycle_is_cpu_default({})
+    assert not tuning.cycle_is_cpu_default(tuning.horovod_defaults(0, choice={"cycle_time_ms": 10}))
+
+
+def test_the_cycle_for_a_step_is_its_square_root_rule_clamped_and_rounded():
+    from tfdist.tuning.cycle import cycle_for_step_ms
+
+    assert cycle_for_step_ms(2000) == cycle_for_step_ms(60_000) == 10.0   # ResNet50 on CPU: kept
+    assert cycle_for_step_ms(40) == 1.5                                    # sqrt(0.05 * 40) = 1.41
+    assert cycle_for_step_ms(500) == 5.0
+    assert cycle_for_step_ms(5) == cycle_for_step_ms(0.1) == 0.5           # the floor
+    steps = [1, 3, 10, 30, 100, 300, 1000, 3000]
+    assert [cycle_for_step_ms(s) for s in steps] == sorted(cycle_for_step_ms(s) for s in steps)
 
 
 def test_open_mpi_yields_on_cpu_jobs_it_started_unless_the_user_said(monkeypatch):

@@ -153,3 +153,10 @@ def set_keras3_model_strategy(model, strategy):
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
+
+
+def horovod_ctypes_library():
+    """Horovod's TensorFlow library as ctypes sees it (its C API: `horovod_set_cycle_time_ms`, ...)."""
+    from horovod.tensorflow import mpi_ops
+
+    return mpi_ops._basics.MPI_LIB_CTYPES

@@ -45,13 +45,13 @@ from tfdist.keras import sharded_optimizer
 from tfdist.keras import metrics as keras_metrics
 from tfdist.keras import predictions as keras_predict
 from tfdist.keras import progress as quiet_ranks
-from tfdist.keras import step_marks, step_outputs
+from tfdist.keras import step_clock, step_marks, step_outputs
 from tfdist.keras.recognise import multi_rank_strategy_of  # noqa: F401  (this module's name for it since 0.1)
 from tfdist.keras.flavour import legacy_requested
 from tfdist.launch import start as launch_start
 from tfdist.strategy_extended import HorovodExtended
 from tfdist.strategy_options import StrategyOptions
-from tfdist.tuning import horovod_env
+from tfdist.tuning import cycle, horovod_env
 from tfdist.tuning import plan as tuning_lib
 
 if TYPE_CHECKING:
@@ -216,6 +216,9 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         model_build.install()  # Keras 3 builds the model from the dataset's spec, reading no batch
         keras_callbacks.install()
         step_marks.install()  # each fit's batches marked for the hang detector
+        if horovod_env.cycle_is_cpu_default(horovod_defaults) and collectives.size() > 1:
+            cycle.follow_steps(horovod_env.CPU_CYCLE_TIME_MS)
+            step_clock.install()  # the cycle set from the first train steps' length
         chief_saves.install()
         fit_callbacks.install()
         keras_preemption.install()  # after keras_callbacks: it wraps BackupAndRestore's chief-only save

@@ -346,6 +346,31 @@ def uneven_batch_warning_checks(strategy, results):
     results["uneven_warnings"] = [t for t in handler.texts if "global batch" in t]
 
 
+def cycle_checks(strategy, results):
+    """Horovod's cycle after a fit of 16 steps: what tfdist measured and chose, what Horovod reports,
+    and what the chief printed (tfdist set the CPU default cycle: the test job leaves it unset)."""
+    import contextlib
+    import ctypes
+    import io
+
+    from tfdist import _compat_state
+    from tfdist.tuning import cycle
+
+    x, y = make_data("dense", 128)
+    with strategy.scope():
+        model = build_model("dense", 5)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss_fn())
+    library = _compat_state.horovod_ctypes_library()
+    library.horovod_cycle_time_ms.restype = ctypes.c_double
+    results["cycle_before"] = {"choice": cycle.choice(), "horovod_reports_ms": library.horovod_cycle_time_ms()}
+    cycle.follow_steps(library.horovod_cycle_time_ms())  # measured again in this fit, from the cycle now
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    results["cycle"] = {"choice": cycle.choice(), "horovod_reports_ms": library.horovod_cycle_time_ms(),
+                        "printed": [line for line in printed.getvalue().splitlines() if "Horovod cycle" in line]}
+
+
 def main():
     args = worker_parser(reference=True).parse_args()
     strategy = tfdist.HorovodStrategy()
@@ -361,6 +386,7 @@ def main():
         metric_checks(strategy, results)
         strategy_facts(strategy, results)
         uneven_batch_warning_checks(strategy, results)
+        cycle_checks(strategy, results)
     write_results(args.out, strategy.rank, results)
 
 

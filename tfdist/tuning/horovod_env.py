@@ -51,6 +51,12 @@ def horovod_defaults(gpus, choice=None, open_mpi=False):
     return defaults
 
 
+def cycle_is_cpu_default(chosen):
+    """Whether `set_horovod_defaults` (returning `chosen`) set Horovod's cycle to the CPU default:
+    then `tfdist.tuning.cycle` may follow the steps (a user's or a measured cycle is kept)."""
+    return chosen.get("HOROVOD_CYCLE_TIME") == horovod_defaults(gpus=0)["HOROVOD_CYCLE_TIME"]
+
+
 def open_mpi_waiting():
     """How this process's Open MPI waits, as Open MPI reports it (MPI_T): "yields" or "spins"; None
     where Open MPI did not start the job, is not loaded, or cannot say."""
