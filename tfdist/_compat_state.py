@@ -157,6 +157,6 @@ def set_keras3_model_strategy(model, strategy):
 
 def horovod_ctypes_library():
     """Horovod's TensorFlow library as ctypes sees it (its C API: `horovod_set_cycle_time_ms`, ...)."""
-    from horovod.tensorflow import mpi_ops
+    from tfdist import collectives
 
-    return mpi_ops._basics.MPI_LIB_CTYPES
+    return collectives.horovod().mpi_ops._basics.MPI_LIB_CTYPES

@@ -6,7 +6,9 @@ reports (progress bar, `History`, `evaluate()`) are computed from the state summ
 so a mean is weighted by every rank's example count, exactly as if one process had seen all data.
 
 When: every training step (one small fused allreduce of the metric state), and at the end of each
-`fit` epoch / `evaluate` call. Evaluation steps report the rank's running local values and sync
+`fit` epoch / `evaluate` call. In a train step the metric state depends on the forward pass only,
+so its allreduce is ready while backprop runs and Horovod fuses it into the round of the first
+gradients: it adds no round of its own (docs/benchmarks/records-2026-12-03-cycle.md). Evaluation steps report the rank's running local values and sync
 only at the end, so ranks may evaluate different numbers of batches without waiting on each other.
 
 Installed by `HorovodStrategy()`; models under other strategies are untouched.

@@ -21,7 +21,8 @@ from tfdist.units import MB
 # cores. On CPU a training step takes 100s of ms, so a 10 ms cycle costs nothing measurable in
 # latency (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s,
 # docs/benchmarks/records-2026-11-22-intel-xeon.md). GPU steps can
-# be a few ms, so GPU jobs keep Horovod's default.
+# be a few ms, so GPU jobs keep Horovod's default. 10 ms is where a CPU job starts: once its train
+# steps are measured, `tfdist.tuning.cycle` sets the cycle from their length.
 CPU_CYCLE_TIME_MS = 10
 
 
