@@ -1,6 +1,7 @@
 """The benchmark scripts run and report in the promised format (tiny models; no timing asserted)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -110,15 +111,26 @@ def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path, 
         assert e["learning_rate"] == pytest.approx(decayed, rel=1e-5), epochs
 
 
+def unbatched(args):
+    """`args` without their --batch_size (tfdist-scaling sets it from --global_batch)."""
+    at = args.index("--batch_size")
+    return args[:at] + args[at + 2:]
+
+
 def test_scaling_runner_tabulates_and_plots_every_run(tmp_path):
-    out = script("tfdist-scaling", ["--ranks", "1", "2", "--modes", "none", "mwms", "--repeats", "1",
-                                    "--global_batch", "8", "--out", tmp_path / "s", "--", *TINY])
-    table = (tmp_path / "s.md").read_text()
-    assert [line.split("|")[1:3] for line in table.splitlines()[2:]] == [
-        [" none ", " 1 "], [" mwms ", " 1 "], [" mwms ", " 2 "]]
+    out = script("tfdist-scaling", ["--ranks", "1", "2", "--modes", "none", "none@core", "mwms", "--repeats", "1",
+                                    "--global_batch", "8", "--out", tmp_path / "s", "--", *unbatched(TINY)])
+    table = [line.split("|")[1:-1] for line in (tmp_path / "s.md").read_text().splitlines()[2:]]
+    assert [row[:3] for row in table] == [[" none ", " 1 ", " 8 "], [" none@core ", " 1 ", " 4 "],
+                                          [" mwms ", " 1 ", " 8 "], [" mwms ", " 2 ", " 8 "]]
     saved = json.loads((tmp_path / "s.json").read_text())
     runs = saved["runs"]
-    assert sorted(runs) == ["mwms/1", "mwms/2", "none/1"] and all(len(r) == 1 for r in runs.values())
+    assert sorted(runs) == ["mwms/1", "mwms/2", "none/1", "none@core/1"] and all(len(r) == 1 for r in runs.values())
+    (core,) = saved["every_run"]["none@core/1"]
+    assert core["args"]["batch_size"] == 4 and core["in_effect"]["cpus"] == [min(os.sched_getaffinity(0))]
+    step = {row[0].strip(): float(row[7]) for row in table}
+    assert float(table[3][8]) == pytest.approx(step["mwms"] - step["none@core"], abs=0.02)  # 2 ranks' overhead
+    assert [row[8].strip() for row in table[:3]] == ["-", "-", "-"]
     for config, results in saved["every_run"].items():  # every run kept whole, not only its rate
         (result,) = results
         assert result["total_images_per_sec"] == runs[config][0] and len(result["step_seconds"]) == 5
@@ -132,7 +144,9 @@ def test_scaling_modes_parse_like_a_shell_line():
     assert parse_mode("HOROVOD_CYCLE_TIME=40 A=b=c tfdist:tf_keras@mpirun --no_tuning") == (
         {"HOROVOD_CYCLE_TIME": "40", "A": "b=c"}, "tfdist", "mpirun", "tf_keras", ["--no_tuning"])
     assert parse_mode("none") == ({}, "none", "", "", [])
-    for bad, says in (("X=1", "no --variable_update value"), ("tfdist@srun", "can only be mpirun")):
+    assert parse_mode("none@core") == ({}, "none", "core", "", [])
+    for bad, says in (("X=1", "no --variable_update value"), ("tfdist@srun", "can only be mpirun"),
+                      ("tfdist@core", "@core runs one plain process")):
         with pytest.raises(SystemExit, match=says):
             parse_mode(bad)
 
@@ -215,6 +229,26 @@ def test_transformer_benchmark_reports_tokens_flops_and_efficiency_sharded_on_tw
     assert all(np.isfinite(data["step_losses"]))
 
 
+def test_two_tower_has_its_tables_sparse_gradients_and_skewed_ids():
+    import tensorflow as tf
+
+    from tfdist.benchmark import models, recommenders
+    from tfdist.keras.flavour import keras_module
+
+    model = models.build_model(keras_module(), "two_tower", 0, 0)
+    rows, width = recommenders.CONFIGS["two_tower"]["rows"], recommenders.CONFIGS["two_tower"]["width"]
+    assert model.count_params() == 2 * (rows * width + width * width + width) + 2 * width + 2
+    (users, items), labels = next(iter(models.synthetic_input("two_tower", 256, 0)[0]))
+    assert users.shape == items.shape == labels.shape == (256, 1)
+    assert len(np.unique(users)) < 0.8 * 256 <= len(np.unique(items))  # popular users repeat within a batch
+    assert set(np.unique(labels)) == {0, 1} and 0 <= int(tf.reduce_min(users)) and int(tf.reduce_max(items)) < rows
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras_module().losses.sparse_categorical_crossentropy(labels, model([users, items])))
+    grads = tape.gradient(loss, model.trainable_variables)
+    sparse = [v.name for g, v in zip(grads, model.trainable_variables) if isinstance(g, tf.IndexedSlices)]
+    assert len(sparse) == 2 and len(grads) == 8, sparse  # both tables; the towers' and the head's dense
+
+
 def test_resnet20_has_the_cifar_resnets_size():
     from tfdist.benchmark.models import build_model
 
@@ -243,9 +277,9 @@ def test_profiled_benchmark_is_summarised_by_op_type(tmp_path):
     (["--learning_rate", "-0.1"], "argument --learning_rate: -0.1 is not positive"),
     (["--target_accuracy", "90"], "argument --target_accuracy: 90 is not in (0, 1]"),
     (["--model", "resnet5O"], "unknown model 'resnet5O': did you mean 'resnet50'? known models: resnet50, "
-                              "resnet50_v1.5, resnet20, mnist_cnn, trivial, gpt2_small, gpt_mini, bert_mini; or give "
+                              "resnet50_v1.5, resnet20, mnist_cnn, trivial, gpt2_small, gpt_mini, bert_mini, two_tower; or give "
                               "your own as module:function"),
-    (["--model", "gpt_mini", "--data_dir", "/data"], "--model gpt_mini trains on synthetic tokens: no --data_dir"),
+    (["--model", "gpt_mini", "--data_dir", "/data"], "--model gpt_mini trains on synthetic inputs: no --data_dir"),
     (["--shard_optimizer_state", "--variable_update", "horovod"],
      "--shard_optimizer_state is for --variable_update tfdist, not horovod"),
     (["--model", "vgg16"], "unknown model 'vgg16': known models: resnet50,"),

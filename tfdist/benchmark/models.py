@@ -12,14 +12,17 @@
 - trivial: flatten + dense, to measure the input pipeline and framework overhead.
 - gpt2_small, gpt_mini, bert_mini: transformer language models on token ids
   (`tfdist.benchmark.transformers`); the benchmark reports tokens/s and model FLOPs for them.
+- two_tower: a recommender over two Embedding(200_000, 64) tables (`tfdist.benchmark.recommenders`):
+  a short step whose gradients are mostly sparse.
 
 Every model ends in a float32 softmax (`tfdist.precision.float32_softmax`), so mixed precision
 keeps the loss in float32.
 """
 
-from tfdist.benchmark import transformers
+from tfdist.benchmark import recommenders, transformers
 
-MODELS = ("resnet50", "resnet50_v1.5", "resnet20", "mnist_cnn", "trivial", *transformers.CONFIGS)
+MODELS = ("resnet50", "resnet50_v1.5", "resnet20", "mnist_cnn", "trivial", *transformers.CONFIGS,
+          *recommenders.CONFIGS)
 
 
 def model_name(name):
@@ -37,11 +40,30 @@ def model_name(name):
         "module:function (a function of (image_size, num_classes) returning an uncompiled Keras model)")
 
 
+def synthetic_only(name):
+    """Whether model `name` trains on synthetic inputs only (no --data_dir of images)."""
+    return transformers.is_token_model(name) or recommenders.is_id_model(name)
+
+
+def synthetic_input(name, batch_size, seq_len):
+    """(dataset, description) of the synthetic input of a model that takes no images; None for image models."""
+    if transformers.is_token_model(name):
+        vocabulary = transformers.CONFIGS[name]["vocabulary"]
+        return (transformers.synthetic_tokens(batch_size, seq_len, vocabulary),
+                "synthetic tokens (one batch made once, no I/O)")
+    if recommenders.is_id_model(name):
+        return (recommenders.synthetic_ids(batch_size, recommenders.CONFIGS[name]["rows"]),
+                "synthetic ids (one batch made once, no I/O)")
+    return None
+
+
 def build_model(keras, name, image_size, num_classes, seq_len=128):
     from tfdist.precision import float32_softmax
 
     if transformers.is_token_model(name):
         return transformers.build(keras, name, seq_len)
+    if recommenders.is_id_model(name):
+        return recommenders.build(keras, name)
     shape = (image_size, image_size, 3)
     if ":" in name:  # the user's own model: module:function(image_size, num_classes)
         import importlib

@@ -5,13 +5,20 @@
 
 Every configuration runs once per repeat, in alternating order, so a noisy shared machine
 affects all of them alike. Each (mode, ranks) keeps the same global batch (per-replica batch =
-global / ranks). Writes a markdown table (median, min, max images/s, and efficiency against the
-1-rank run of the same mode), a PNG plot (median with min-max bars per mode, against ranks) and
+global / ranks). Writes a markdown table (median, min, max images/s, efficiency against the
+1-rank run of the same mode, the median step and, with none@core, the overhead), a PNG plot (median with min-max bars per mode, against ranks) and
 a JSON file with every run (each run's header, the settings in effect as TensorFlow reported them,
 and every step time, warm-up included and marked). Modes tfdist, horovod and mwms run under horovodrun (mwms derives
 its TF_CONFIG from it) over Gloo; a mode ending in `@mpirun` (`tfdist@mpirun`) runs under Open MPI's
 mpirun instead (`tfdist-run --launcher mpirun`; Horovod's MPI controller and collectives); none runs
-as one plain process. A mode may start with variables for its runs, as a shell line does:
+as one plain process (once a repeat, whatever --ranks say), and `none@core` as one plain process on
+one core (the first this command may use) at the per-rank batch of the largest rank count: the
+compute a rank does, without the exchange. With it, the table gives every multi-rank run's
+per-step overhead, its median step less that one's:
+
+    tfdist-scaling --ranks 1 2 --modes none none@core tfdist horovod --global_batch 64 -- --model mnist_cnn ...
+
+A mode may start with variables for its runs, as a shell line does:
 `"OMPI_MCA_mpi_yield_when_idle=0 tfdist@mpirun"`.
 """
 
@@ -43,9 +50,12 @@ def parse_mode(mode):
         sys.exit(f"mode {mode!r}: no --variable_update value after its variables")
     update, *own_args = words
     update, _, launcher = update.partition("@")
-    if launcher not in ("", "mpirun"):
-        sys.exit(f"mode {mode!r}: the launcher after @ can only be mpirun (default: horovodrun --gloo)")
+    if launcher not in ("", "mpirun", "core"):
+        sys.exit(f"mode {mode!r}: the launcher after @ can only be mpirun (default: horovodrun --gloo), or core "
+                 "after none")
     update, _, flavour = update.partition(":")
+    if launcher == "core" and update != "none":
+        sys.exit(f"mode {mode!r}: @core runs one plain process: none@core")
     return variables, update, launcher, flavour, own_args
 
 
@@ -57,14 +67,18 @@ def run_one(mode, ranks, global_batch, extra, out_json):
     flavour_args = ["--keras", flavour] if flavour else []
     bench = [sys.executable, "-m", "tfdist.benchmark.train_benchmark", "--variable_update", mode, *flavour_args,
              "--batch_size", str(global_batch // ranks), "--json", out_json, *extra, *own_args]
+    pin = None
     if mode == "none":
         command = bench
+        if launcher == "core":
+            first = min(os.sched_getaffinity(0))
+            pin = lambda: os.sched_setaffinity(0, {first})  # noqa: E731  (in the child, before it starts)
     elif launcher == "mpirun":
         command = [os.path.join(BIN, "tfdist-run"), "--launcher", "mpirun", "-np", str(ranks), *bench]
     else:
         command = [os.path.join(BIN, "horovodrun"), "-np", str(ranks), "--gloo", *bench]
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, **variables})
+                          env={**os.environ, **variables}, preexec_fn=pin)
     if done.returncode != 0:
         sys.exit(f"benchmark failed (exit {done.returncode}): {' '.join(command)}\n{done.stdout[-4000:]}")
     with open(out_json) as f:
@@ -90,26 +104,33 @@ def main():
     from tfdist.tuning import startup
 
     startup.undo()  # each benchmark process applies its own settings (or none)
-    configs = [(m, r) for m in args.modes for r in args.ranks if not (parse_mode(m)[1] == "none" and r > 1)]
+    # none runs once, as one process, whatever --ranks say: the baseline of every rank count
+    configs = [(m, r) for m in args.modes for r in ([1] if parse_mode(m)[1] == "none" else args.ranks)]
     runs = {f"{m}/{r}": [] for m, r in configs}
     results = {f"{m}/{r}": [] for m, r in configs}
     scratch = tempfile.mkdtemp(prefix="tfdist-scaling-")
     for repeat in range(args.repeats):
         order = configs if repeat % 2 == 0 else configs[::-1]
         for mode, ranks in order:
-            result = run_one(mode, ranks, args.global_batch, args.extra, os.path.join(scratch, "r.json"))
+            batch = args.global_batch // max(args.ranks) if parse_mode(mode)[2] == "core" else args.global_batch
+            result = run_one(mode, ranks, batch, args.extra, os.path.join(scratch, "r.json"))
             rate = result["total_images_per_sec"]
             runs[f"{mode}/{ranks}"].append(rate)
             results[f"{mode}/{ranks}"].append({**result, "repeat": repeat + 1})
             print(f"repeat {repeat + 1}: {mode:24s} {ranks} rank(s): {rate:8.2f} images/s", flush=True)
-    lines = ["| mode | ranks | global batch | median images/s | min | max | vs 1 rank of this mode |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | ranks | global batch | median images/s | min | max | vs 1 rank of this mode | median step ms "
+             "| overhead ms |", "|---|---|---|---|---|---|---|---|---|"]
+    steps = {config: statistics.median(step_ms(r) for r in rs) for config, rs in results.items()}
+    core = next((steps[f"{m}/1"] for m, _ in configs if parse_mode(m)[2] == "core"), None)
     for mode, ranks in configs:
         rates = runs[f"{mode}/{ranks}"]
         base = runs.get(f"{mode}/1")
         ratio = f"{statistics.median(rates) / statistics.median(base):.2f}x" if base else "-"
-        lines.append(f"| {mode} | {ranks} | {args.global_batch} | {statistics.median(rates):.2f} | "
-                     f"{min(rates):.2f} | {max(rates):.2f} | {ratio} |")
+        step = steps[f"{mode}/{ranks}"]
+        overhead = f"{step - core:.2f}" if core is not None and ranks > 1 else "-"
+        lines.append(f"| {mode} | {ranks} | {results[f'{mode}/{ranks}'][0]['global_batch']} | "
+                     f"{statistics.median(rates):.2f} | {min(rates):.2f} | {max(rates):.2f} | {ratio} | {step:.2f} | "
+                     f"{overhead} |")
     table = "\n".join(lines)
     print("\n" + table)
     with open(f"{args.out}.md", "w") as f:
@@ -119,6 +140,11 @@ def main():
                    "environment": {k: v for k, v in os.environ.items() if k.startswith(("ONEDNN_", "DNNL_", "TF_", "OMP_", "KMP_", "HOROVOD_", "TFDIST_"))}, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "runs": runs, "args": vars(args), "every_run": results}, f, indent=1)
     plot(runs, configs, args, f"{args.out}.png")
+
+
+def step_ms(result):
+    """The median of a run's timed steps (warm-up excluded), in ms."""
+    return statistics.median(result["step_seconds"][result["warmup_steps_excluded"]:]) * 1000
 
 
 def plot(runs, configs, args, path):

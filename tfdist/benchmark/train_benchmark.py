@@ -30,7 +30,7 @@ import time
 from tfdist.benchmark import argtypes
 from tfdist.tuning import startup
 from tfdist.benchmark import transformers
-from tfdist.benchmark.models import MODELS, build_model, model_name
+from tfdist.benchmark.models import MODELS, build_model, model_name, synthetic_input, synthetic_only
 from tfdist.benchmark.modes import mwms_tf_config, start
 from tfdist.benchmark.timing import StepTimer, accuracy_summary, report
 
@@ -97,10 +97,9 @@ PARSER.add_argument("--json", help="write the result (every step time) here (ran
 def input_dataset(args, input_context=None, training=True):
     from tfdist.pipelines import preprocessing, read_dataset
 
-    if transformers.is_token_model(args.model):
-        vocabulary = transformers.CONFIGS[args.model]["vocabulary"]
-        ds = transformers.synthetic_tokens(args.batch_size, args.seq_len, vocabulary)
-        return ds, "synthetic tokens (one batch made once, no I/O)", None
+    synthetic = synthetic_input(args.model, args.batch_size, args.seq_len)
+    if synthetic:
+        return (*synthetic, None)
     if not args.data_dir:
         ds = preprocessing.synthetic_dataset(args.batch_size, image_size=args.image_size,
                                              num_classes=args.num_classes)
@@ -271,8 +270,8 @@ def main():
         PARSER.error(f"--bucket_mb is for --variable_update tfdist, not {args.variable_update}")
     if args.loss_scale and args.variable_update == "horovod":
         PARSER.error("--loss_scale is for the Keras modes (tfdist, mwms, none), not Horovod's own loop")
-    if transformers.is_token_model(args.model) and (args.data_dir or args.epochs):
-        PARSER.error(f"--model {args.model} trains on synthetic tokens: no --data_dir or --epochs")
+    if synthetic_only(args.model) and (args.data_dir or args.epochs):
+        PARSER.error(f"--model {args.model} trains on synthetic inputs: no --data_dir or --epochs")
     if args.shard_optimizer_state and args.variable_update != "tfdist":
         PARSER.error(f"--shard_optimizer_state is for --variable_update tfdist, not {args.variable_update}")
     if args.precision == "auto" and args.variable_update != "tfdist":
