@@ -6,10 +6,11 @@
 Every configuration runs once per repeat, in alternating order, so a noisy shared machine
 affects all of them alike. Each (mode, ranks) keeps the same global batch (per-replica batch =
 global / ranks). Writes a markdown table (median, min, max images/s, efficiency against the
-1-rank run of the same mode, the median step and, with none@core, the overhead), a PNG plot (median with min-max bars per mode, against ranks) and
-a JSON file with every run (each run's header, the settings in effect as TensorFlow reported them,
-and every step time, warm-up included and marked). Modes tfdist, horovod and mwms run under horovodrun (mwms derives
-its TF_CONFIG from it) over Gloo; a mode ending in `@mpirun` (`tfdist@mpirun`) runs under Open MPI's
+1-rank run of the same mode, the median step and, with none@core, the overhead), a PNG plot
+(median with min-max bars per mode, against ranks) and a JSON file with every run (each run's
+header, the settings in effect as TensorFlow reported them, and every step time, warm-up included
+and marked). Modes tfdist, horovod and mwms run under horovodrun (mwms derives its TF_CONFIG from
+it) over Gloo; a mode ending in `@mpirun` (`tfdist@mpirun`) runs under Open MPI's
 mpirun instead (`tfdist-run --launcher mpirun`; Horovod's MPI controller and collectives); none runs
 as one plain process (once a repeat, whatever --ranks say), and `none@core` as one plain process on
 one core (the first this command may use) at the per-rank batch of the largest rank count: the
@@ -106,6 +107,7 @@ def main():
     startup.undo()  # each benchmark process applies its own settings (or none)
     # none runs once, as one process, whatever --ranks say: the baseline of every rank count
     configs = [(m, r) for m in args.modes for r in ([1] if parse_mode(m)[1] == "none" else args.ranks)]
+    one_core = next((m for m in args.modes if parse_mode(m)[2] == "core"), None)  # the overheads' baseline
     runs = {f"{m}/{r}": [] for m, r in configs}
     results = {f"{m}/{r}": [] for m, r in configs}
     scratch = tempfile.mkdtemp(prefix="tfdist-scaling-")
@@ -121,7 +123,7 @@ def main():
     lines = ["| mode | ranks | global batch | median images/s | min | max | vs 1 rank of this mode | median step ms "
              "| overhead ms |", "|---|---|---|---|---|---|---|---|---|"]
     steps = {config: statistics.median(step_ms(r) for r in rs) for config, rs in results.items()}
-    core = next((steps[f"{m}/1"] for m, _ in configs if parse_mode(m)[2] == "core"), None)
+    core = steps[f"{one_core}/1"] if one_core else None
     for mode, ranks in configs:
         rates = runs[f"{mode}/{ranks}"]
         base = runs.get(f"{mode}/1")
