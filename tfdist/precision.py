@@ -97,7 +97,8 @@ def float32_softmax(logits_model, name="probabilities"):
     ```
     """
     keras = keras_module()
-    inputs = keras.Input(shape=logits_model.input_shape[1:], dtype=logits_model.inputs[0].dtype)
+    inputs = [keras.Input(shape=tuple(x.shape)[1:], dtype=x.dtype) for x in logits_model.inputs]
+    inputs = inputs[0] if len(inputs) == 1 else inputs   # a model of several inputs takes them as a list
     probabilities = keras.layers.Activation("softmax", dtype="float32", name=name)(logits_model(inputs))
     return keras.Model(inputs, probabilities, name=f"{logits_model.name}_float32_softmax")
 

@@ -24,6 +24,8 @@ def is_id_model(name):
 
 def build(keras, name):
     """The uncompiled model `name` (a key of CONFIGS)."""
+    from tfdist.precision import float32_softmax
+
     c = CONFIGS[name]
     layers = keras.layers
     user = keras.Input((1,), dtype="int32", name="user_id")
@@ -33,8 +35,7 @@ def build(keras, name):
         vector = layers.Flatten()(layers.Embedding(c["rows"], c["width"], name=f"{side}_table")(ids))
         towers.append(layers.Dense(c["width"], activation="relu", name=f"{side}_tower")(vector))
     logits = layers.Dense(2, name="click")(layers.Multiply()(towers))
-    probabilities = layers.Activation("softmax", dtype="float32", name="probabilities")(logits)  # float32 whatever the policy
-    return keras.Model([user, item], probabilities, name=name)
+    return float32_softmax(keras.Model([user, item], logits, name=name))
 
 
 def synthetic_ids(batch_size, rows, seed=0):
