@@ -168,7 +168,9 @@ def test_strategy_topology_and_input_contexts(tmp_path_factory):
     for f in (f0, f1):
         # CPU-only: Horovod's cycle was set to 10 ms before hvd.init(), and the plan says why
         assert f["tuning"]["env"]["HOROVOD_CYCLE_TIME"] == "10"
+        assert f["tuning"]["env"]["HOROVOD_CYCLE_ON_ENQUEUE"] == "1"
         assert any("Horovod cycle 10 ms" in reason for reason in f["tuning"]["reasons"])
+        assert any("starts Horovod's cycle at once" in reason for reason in f["tuning"]["reasons"])
         assert f["affinity_now"] == sorted(f["tuning"]["cpu_affinity"])
         assert f["intra_op_now"] == f["tuning"]["intra_op_threads"] >= 1
         # 2 ranks of a node on Gloo: the tuning line names mpirun's shared memory where it is there
@@ -257,14 +259,18 @@ def test_overflow_on_one_rank_is_skipped_by_all_ranks(keras_flavor, tmp_path):
     assert s0[3]["weights"] != s0[2]["weights"] and scales[3:] == [scales[2]] * 3  # training went on
 
 
-def test_horovod_cycle_follows_the_measured_train_step(keras_flavor, tmp_path_factory):
+def test_horovod_cycle_starts_on_enqueue_else_follows_the_measured_train_step(keras_flavor, tmp_path_factory):
     from tfdist.tuning.cycle import cycle_for_step_ms
 
     ranks, _ = train_results(keras_flavor, tmp_path_factory)
     for rank in (0, 1):
         before, after = ranks[rank]["cycle_before"], ranks[rank]["cycle"]
-        # the earlier fits were too short to measure (12 steps): tfdist's CPU default still runs
-        assert before == {"choice": None, "horovod_reports_ms": 10.0}
+        # tfdist's CPU default: 10 ms, each enqueued collective starting a cycle (Horovod's word),
+        # so no train step was timed to choose another
+        assert before == {"choice": None, "horovod_reports_ms": 10.0, "starts_on_enqueue": True}
+        # at a 400 ms cycle, every allreduce but the first (which may meet the cycle the new
+        # length starts) ends long before a cycle would have begun
+        assert max(ranks[rank]["allreduce_ms_at_400_ms_cycle"][1:]) < 100, ranks[rank]
         choice = after["choice"]
         assert choice["cycle_ms"] == cycle_for_step_ms(choice["step_ms"]) < 10, choice   # steps of a few ms
         assert after["horovod_reports_ms"] == choice["in_effect_ms"] == choice["cycle_ms"]   # Horovod's own word

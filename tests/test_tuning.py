@@ -146,10 +146,12 @@ def test_apply_sets_threads_or_says_it_is_too_late(late):
         assert "LATE []" in out.stdout and "THREADS 1" in out.stdout
 
 
-def test_cpu_jobs_get_a_slower_horovod_cycle_gpu_jobs_keep_the_default(monkeypatch):
+def test_cpu_jobs_get_a_slower_horovod_cycle_started_on_enqueue_gpu_jobs_keep_the_default(monkeypatch):
     from tfdist.tuning import horovod_env as tuning
 
+    on_enqueue = tuning.CYCLE_ON_ENQUEUE
     assert tuning.horovod_defaults(gpus=0)["HOROVOD_CYCLE_TIME"][0] == "10"
+    assert tuning.horovod_defaults(gpus=0)[on_enqueue][0] == "1"
     assert tuning.horovod_defaults(gpus=8) == {}
     assert tuning.horovod_defaults(gpus=0, choice={"cycle_time_ms": 1})["HOROVOD_CYCLE_TIME"][0] == "1"
     monkeypatch.delenv("TFDIST_TUNING_CHOICE", raising=False)
@@ -157,12 +159,16 @@ def test_cpu_jobs_get_a_slower_horovod_cycle_gpu_jobs_keep_the_default(monkeypat
     monkeypatch.setenv("TFDIST_CACHE_DIR", "/nonexistent-tfdist-cache")
     # what the user set wins, and is not reported as tfdist's choice
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3")
+    monkeypatch.setenv(on_enqueue, "0")
     assert tuning.set_horovod_defaults() == {}
     monkeypatch.delenv("HOROVOD_CYCLE_TIME")
-    assert tuning.set_horovod_defaults() == {"HOROVOD_CYCLE_TIME": ("10", tuning.horovod_defaults(0)["HOROVOD_CYCLE_TIME"][1])}
+    monkeypatch.delenv(on_enqueue)
+    defaults = tuning.horovod_defaults(0)
+    assert tuning.set_horovod_defaults() == {"HOROVOD_CYCLE_TIME": ("10", defaults["HOROVOD_CYCLE_TIME"][1]),
+                                             on_enqueue: ("1", defaults[on_enqueue][1])}
     import os
 
-    assert os.environ["HOROVOD_CYCLE_TIME"] == "10"
+    assert os.environ["HOROVOD_CYCLE_TIME"] == "10" and os.environ[on_enqueue] == "1"
     # only tfdist's own CPU default follows the steps later: not the user's, not a measured one
     assert tuning.cycle_is_cpu_default({"HOROVOD_CYCLE_TIME": tuning.horovod_defaults(0)["HOROVOD_CYCLE_TIME"]})
     assert not tuning.cycle_is_cpu_default({})
@@ -189,6 +195,7 @@ def test_open_mpi_yields_on_cpu_jobs_it_started_unless_the_user_said(monkeypatch
     assert yield_variable not in horovod_env.horovod_defaults(gpus=4, open_mpi=True)   # GPU: Horovod's own choice
     monkeypatch.setenv("TFDIST_CACHE_DIR", "/nonexistent-tfdist-cache")
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "10")
+    monkeypatch.setenv(horovod_env.CYCLE_ON_ENQUEUE, "1")
     monkeypatch.delenv(yield_variable, raising=False)
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
     assert horovod_env.set_horovod_defaults() == {}

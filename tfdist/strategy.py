@@ -102,7 +102,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             `tfdist.precision.choose_policy`), or a policy name ("mixed_float16", ...).
         tuning: True (default) applies `tfdist.tuning.plan`'s per-rank plan (threads, core pinning,
             oneDNN/OpenMP, one GPU per local rank; on CPU-only nodes a 10 ms Horovod cycle unless
-            HOROVOD_CYCLE_TIME or `horovod=` says otherwise), or the choice `tfdist-tune` cached for
+            HOROVOD_CYCLE_TIME or `horovod=` says otherwise, which each enqueued collective starts
+            at once: HOROVOD_CYCLE_ON_ENQUEUE), or the choice `tfdist-tune` cached for
             this machine; "measure" first runs `tfdist-tune` for this job's ranks per node when
             nothing is cached (oneDNN's choice takes effect from the next start); False leaves the
             process as it is; a dict overrides choices (`intra_op_threads`, `inter_op_threads`,
@@ -185,6 +186,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             tuner.ensure_measured(*environment.local_layout())
         horovod_defaults = horovod_env.set_horovod_defaults() if options.tuning is not False else {}
         collectives.init()
+        if horovod_defaults.get(horovod_env.CYCLE_ON_ENQUEUE) and not cycle.starts_on_enqueue():
+            horovod_defaults[horovod_env.CYCLE_ON_ENQUEUE] = ("1", horovod_env.ON_ENQUEUE_MISSING)
         self.tuning_plan = (tuning_lib.tune_this_rank(options.tuning, horovod_defaults)
                             if options.tuning is not False else None)
         if options.op == "adasum" and collectives.adasum_refusal():  # depends on the launch: known now
@@ -216,7 +219,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         model_build.install()  # Keras 3 builds the model from the dataset's spec, reading no batch
         keras_callbacks.install()
         step_marks.install()  # each fit's batches marked for the hang detector
-        if horovod_env.cycle_is_cpu_default(horovod_defaults) and collectives.size() > 1:
+        if (horovod_env.cycle_is_cpu_default(horovod_defaults) and collectives.size() > 1
+                and not cycle.starts_on_enqueue()):
             cycle.follow_steps(horovod_env.CPU_CYCLE_TIME_MS)
             step_clock.install()  # the cycle set from the first train steps' length
         chief_saves.install()

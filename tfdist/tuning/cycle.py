@@ -10,8 +10,10 @@ Minimising `rounds * cycle / 2 + step * wake_cost / cycle` gives a cycle of
 
 `HorovodStrategy()` turns this on where it set the CPU default cycle itself (not where the
 user set `HOROVOD_CYCLE_TIME` or `horovod={"cycle_time_ms": ...}`, tfdist-tune measured one,
-or Horovod's autotuner runs). The chosen cycle is set through tfdist's Horovod patch 0015,
-read back from Horovod, and the chief prints it:
+or Horovod's autotuner runs) and Horovod does not start a cycle when a collective is enqueued
+(`starts_on_enqueue()`, tfdist's patch 0017: then no collective waits for the cycle, and a
+shorter one would only wake an idle rank more often). The chosen cycle is set through tfdist's
+Horovod patch 0015, read back from Horovod, and the chief prints it:
 
 ```python
 from tfdist.tuning import cycle
@@ -52,6 +54,22 @@ def choice():
 
 def following():
     return _state["follow"] and not _state["done"] and os.environ.get("HOROVOD_AUTOTUNE", "0") in ("", "0")
+
+
+def starts_on_enqueue():
+    """Whether Horovod starts its cycle when a collective is enqueued (HOROVOD_CYCLE_ON_ENQUEUE=1,
+    tfdist's patch 0017), as Horovod reports it; None where this Horovod cannot say (a build
+    without the patch) or is not initialized."""
+    from tfdist import _compat_state
+
+    getter = getattr(_compat_state.horovod_ctypes_library(), "horovod_cycle_on_enqueue", None)
+    if getter is None:
+        return None
+    import ctypes
+
+    getter.restype = ctypes.c_int
+    value = getter()
+    return None if value < 0 else bool(value)
 
 
 def set_cycle_ms(cycle_ms):

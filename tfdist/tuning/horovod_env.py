@@ -2,7 +2,7 @@
 
 ```python
 from tfdist.tuning import horovod_env
-print(horovod_env.horovod_defaults(gpus=0, open_mpi=True))   # HOROVOD_CYCLE_TIME 10, Open MPI yields
+print(horovod_env.horovod_defaults(gpus=0, open_mpi=True))   # cycle 10 ms, started on enqueue; Open MPI yields
 horovod_env.set_horovod_knobs({"fusion_threshold_mb": 64})   # HorovodStrategy(horovod=...)
 ```
 
@@ -18,12 +18,20 @@ from tfdist.units import MB
 # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (1 by default) and, over Gloo,
 # exchanges a readiness message with the other ranks each time: measured here, about 3,500
 # context switches a second and 6-8% of a core per idle rank, taken from ranks pinned to few
-# cores. On CPU a training step takes 100s of ms, so a 10 ms cycle costs nothing measurable in
-# latency (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s,
-# docs/benchmarks/records-2026-11-22-intel-xeon.md). GPU steps can
-# be a few ms, so GPU jobs keep Horovod's default. 10 ms is where a CPU job starts: once its train
-# steps are measured, `tfdist.tuning.cycle` sets the cycle from their length.
+# cores (2 ranks x 1 core, ResNet50: 3.55 -> 4.48 images/s at 10 ms,
+# docs/benchmarks/records-2026-11-22-intel-xeon.md). GPU steps can be a few ms, so GPU jobs keep
+# Horovod's default.
 CPU_CYCLE_TIME_MS = 10
+
+# A collective waits for the next cycle: a whole 10 ms cycle for one enqueued just after a cycle
+# began (an eager allreduce, each round of a step's collectives). tfdist's Horovod patch 0017
+# starts a cycle when a collective is enqueued, so on CPU the 10 ms only spaces an idle rank's
+# wake-ups: a 4 KB allreduce on 2 ranks 10.07 -> 0.97 ms, an idle rank's CPU 2% of a core either
+# way (Zen 4, docs/benchmarks/records-2026-12-06-cycle-on-enqueue.md). Where Horovod cannot do it
+# (a build without the patch), `tfdist.tuning.cycle` sets the cycle from the train steps' length.
+CYCLE_ON_ENQUEUE = "HOROVOD_CYCLE_ON_ENQUEUE"
+ON_ENQUEUE_MISSING = ("Horovod's cycle does not start on enqueue: this Horovod lacks tfdist's patch 0017 "
+                      "(tfdist-install-horovod builds it); the cycle follows the train steps instead")
 
 
 # Open MPI's progress engine spins while it waits (Horovod's background thread waits in a collective
@@ -46,6 +54,8 @@ def horovod_defaults(gpus, choice=None, open_mpi=False):
     elif not gpus:
         defaults["HOROVOD_CYCLE_TIME"] = (str(CPU_CYCLE_TIME_MS),
                                           f"Horovod cycle {CPU_CYCLE_TIME_MS} ms (CPU: fewer background wake-ups)")
+    if not gpus:
+        defaults[CYCLE_ON_ENQUEUE] = ("1", "a collective starts Horovod's cycle at once (HOROVOD_CYCLE_ON_ENQUEUE=1)")
     if open_mpi and not gpus:
         defaults[OPEN_MPI_YIELD] = ("1", "Open MPI yields while it waits (CPU: its spin would share the "
                                          "compute threads' cores)")
