@@ -365,3 +365,17 @@ def test_multihost_worker_passes_loss_scale_through_tfdist_benchmarks_parser():
     for flags, expect in (([], False), (["--loss_scale"], True)):
         args = worker.PARSER.parse_args(["--mode", "tfdist", "--out", "x", *flags])
         assert worker.benchmark_args(args).loss_scale is expect
+
+
+def test_collective_latency_reports_horovods_cycle_idle_cost_and_eager_allreduces(tmp_path):
+    """scripts/benchmarks/collective_latency.py with Horovod's cycle as HorovodStrategy() sets it on CPU."""
+    command = [str(BIN / "horovodrun"), "-np", "2", "--gloo", *program("benchmarks/collective_latency.py"),
+               "--elements", "10", "--repeats", "3", "--warmup", "1", "--eager", "--idle_seconds", "0.5",
+               "--json", tmp_path / "latency.json"]
+    env = {**ENV, "HOROVOD_CYCLE_TIME": "10", "HOROVOD_CYCLE_ON_ENQUEUE": "1"}
+    out = subprocess.run(list(map(str, command)), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    facts = json.loads((tmp_path / "latency.json").read_text())
+    assert facts["starts_on_enqueue"] is True and facts["eager"] is True and facts["cycle_ms"] == "10"
+    assert facts["idle_core_percent"] >= 0 and [r["bytes"] for r in facts["results"]] == [40]
+    assert "started on enqueue: True (Horovod's word), eager" in out.stdout
