@@ -186,7 +186,8 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
             tuner.ensure_measured(*environment.local_layout())
         horovod_defaults = horovod_env.set_horovod_defaults() if options.tuning is not False else {}
         collectives.init()
-        if horovod_defaults.get(horovod_env.CYCLE_ON_ENQUEUE) and not cycle.starts_on_enqueue():
+        cycle_on_enqueue = cycle.starts_on_enqueue()  # Horovod's word: patch 0017 and the variable
+        if horovod_defaults.get(horovod_env.CYCLE_ON_ENQUEUE) and not cycle_on_enqueue:
             horovod_defaults[horovod_env.CYCLE_ON_ENQUEUE] = ("1", horovod_env.ON_ENQUEUE_MISSING)
         self.tuning_plan = (tuning_lib.tune_this_rank(options.tuning, horovod_defaults)
                             if options.tuning is not False else None)
@@ -219,8 +220,7 @@ class HorovodStrategy(tf.distribute.OneDeviceStrategy):
         model_build.install()  # Keras 3 builds the model from the dataset's spec, reading no batch
         keras_callbacks.install()
         step_marks.install()  # each fit's batches marked for the hang detector
-        if (horovod_env.cycle_is_cpu_default(horovod_defaults) and collectives.size() > 1
-                and not cycle.starts_on_enqueue()):
+        if horovod_env.cycle_is_cpu_default(horovod_defaults) and collectives.size() > 1 and not cycle_on_enqueue:
             cycle.follow_steps(horovod_env.CPU_CYCLE_TIME_MS)
             step_clock.install()  # the cycle set from the first train steps' length
         chief_saves.install()

@@ -26,8 +26,8 @@ CPU_CYCLE_TIME_MS = 10
 # A collective waits for the next cycle: a whole 10 ms cycle for one enqueued just after a cycle
 # began (an eager allreduce, each round of a step's collectives). tfdist's Horovod patch 0017
 # starts a cycle when a collective is enqueued, so on CPU the 10 ms only spaces an idle rank's
-# wake-ups: a 4 KB allreduce on 2 ranks 10.07 -> 0.97 ms, an idle rank's CPU 2% of a core either
-# way (Zen 4, docs/benchmarks/records-2026-12-06-cycle-on-enqueue.md). Where Horovod cannot do it
+# wake-ups: a 4 KB allreduce on 2 ranks 10.1 -> 0.66 ms (eager; 0.86 in a tf.function), an idle
+# rank's CPU 2% of a core either way (Zen 4, docs/benchmarks/records-2026-12-06-cycle-on-enqueue.md). Where Horovod cannot do it
 # (a build without the patch), `tfdist.tuning.cycle` sets the cycle from the train steps' length.
 CYCLE_ON_ENQUEUE = "HOROVOD_CYCLE_ON_ENQUEUE"
 ON_ENQUEUE_MISSING = ("Horovod's cycle does not start on enqueue: this Horovod lacks tfdist's patch 0017 "
