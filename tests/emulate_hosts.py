@@ -17,9 +17,10 @@ namespaces. Two hosts are joined by a veth pair; more by a bridge in a switch na
 (`tfds<pid>n<k>`), so nothing of the emulation is in the machine's own namespace. Each direction
 of each link is shaped once, on the sending side's egress: `tbf` for the rate (a bucket of at least
 a 64 KB GSO segment, and a queue of `queue_ms` of traffic so TCP is never dropped pathologically),
-plus `netem` for a one-way delay where the kernel has it (this VM's 6.18 kernel is built without
-`CONFIG_NET_SCH_NETEM`: a delay then raises `EmulationError` and the link has the veth's own
-latency, measured by `measure_rtt`). `/etc/netns/<ns>/hosts` makes every host name (`hosta`,
+plus `netem` for a one-way delay where the kernel has it. On a kernel without `sch_netem` (this
+VM's 6.18 is built without `CONFIG_NET_SCH_NETEM`) two hosts with a delay are joined by a TUN
+delay line instead of the veth pair (`tests/delay_line.py`: a process that holds each packet for
+the delay), and more than two raise `EmulationError`; `measure_rtt` says what the link gives. `/etc/netns/<ns>/hosts` makes every host name (`hosta`,
 `hostb`, ...) and this machine's own name resolve inside each namespace as a node's name would.
 """
 
@@ -37,7 +38,10 @@ import subprocess
 import sys
 import time
 
+import delay_line
+
 SUBNET = "10.77.0"
+DELAY_LINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_line.py")
 NAME = re.compile(r"^tfd([A-Zs])(\d+)n(\d+)$")
 _counter = itertools.count()
 
@@ -66,12 +70,15 @@ def _run(args, check=True, timeout=30):
     return result
 
 
-def tc_commands(ns, dev, link):
-    """The `tc` commands that shape egress of `dev` in namespace `ns` (empty for an unshaped link)."""
+def tc_commands(ns, dev, link, netem=True):
+    """The `tc` commands that shape egress of `dev` in namespace `ns` (empty for an unshaped link).
+
+    `netem=False`: the delay is added elsewhere (a delay line), only the rate here.
+    """
     prefix = ["tc", "-n", ns, "qdisc", "replace", "dev", dev]
     commands = []
     parent = ["root"]
-    if link.delay_ms:
+    if link.delay_ms and netem:
         packets = max(1000, int((link.rate_gbit or 10) * 1e9 / 8 / 1500 * link.queue_ms / 1e3))
         commands.append(prefix + ["root", "handle", "1:", "netem", "delay", f"{link.delay_ms * 1000:g}us",
                                   "limit", str(packets)])
@@ -104,6 +111,8 @@ class NetworkNamespaces:
         self.hostnames = tuple(hostnames or (f"host{x.lower()}" for x in letters))
         self.link = link or Link()
         self.created = []
+        self.delay_by = None  # how link.delay_ms is added: "netem" or "delay line"
+        self._delay_line = None
         self._previous_handlers = {}
 
     # ------------------------------------------------------------ set-up and removal
@@ -124,6 +133,9 @@ class NetworkNamespaces:
             _run(["ip", "netns", "add", ns])
             self.created.append(ns)
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        if self.switch and self.link.delay_ms and not _has_netem(self.names[0]):
+            raise EmulationError(f"{len(self.names)} hosts with a {self.link.delay_ms:g} ms delay: this kernel "
+                                 "has no sch_netem, and the delay line (tests/delay_line.py) joins two hosts only")
         if self.switch:
             _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
             _run(["ip", "-n", self.switch, "link", "set", "br0", "up"])
@@ -132,9 +144,13 @@ class NetworkNamespaces:
                       "netns", self.switch])
                 _run(["ip", "-n", self.switch, "link", "set", peer, "master", "br0", "up"])
                 self._shape(self.switch, peer)  # the switch port's egress: this host's ingress
+        elif self.link.delay_ms and not _has_netem(self.names[0]):
+            self._start_delay_line()
         else:
             _run(["ip", "link", "add", self.links[0], "netns", self.names[0], "type", "veth", "peer",
                   "name", self.links[1], "netns", self.names[1]])
+        if self.link.delay_ms and not self.delay_by:
+            self.delay_by = "netem"
         hosts_file = "127.0.0.1 localhost\n" + "".join(
             f"{a} {h}\n" for a, h in zip(self.addresses, self.hostnames))
         for ns, dev, addr in zip(self.names, self.links, self.addresses):
@@ -148,8 +164,22 @@ class NetworkNamespaces:
             self._shape(ns, dev)
         return self
 
+    def _start_delay_line(self):
+        self._delay_line = subprocess.Popen(
+            [sys.executable, DELAY_LINE, "--delay_us", f"{self.link.delay_ms * 1e3:g}",
+             *(a for ns, dev in zip(self.names, self.links) for a in ("--ns", ns, "--dev", dev))],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        ready = self._delay_line.stdout.readline().strip()
+        if ready != "ready":
+            self._delay_line.kill()
+            raise EmulationError(f"the delay line ({DELAY_LINE}) did not start: "
+                                 f"{ready} {self._delay_line.stderr.read().strip()[-500:]}")
+        for ns, dev in zip(self.names, self.links):
+            _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(delay_line.MTU)])
+        self.delay_by = "delay line"
+
     def _shape(self, ns, dev):
-        for command in tc_commands(ns, dev, self.link):
+        for command in tc_commands(ns, dev, self.link, netem=self.delay_by != "delay line"):
             result = _run(command, check=False)
             if result.returncode != 0:
                 why = result.stderr.strip()
@@ -160,6 +190,9 @@ class NetworkNamespaces:
 
     def remove(self):
         """Stop what still runs in the namespaces, delete them (and so their veths), and their files."""
+        if self._delay_line is not None:
+            _kill([self._delay_line.pid])
+            self._delay_line = None
         for ns in self.created:
             pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
             _kill(int(p) for p in pids if p.isdigit())
@@ -228,6 +261,14 @@ class NetworkNamespaces:
         finally:
             _kill([server.pid])
         return float(out)
+
+
+def _has_netem(ns):
+    """Whether this kernel has sch_netem (tried on namespace `ns`'s loopback, then removed)."""
+    added = _run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0us"], check=False)
+    if added.returncode == 0:
+        _run(["tc", "-n", ns, "qdisc", "del", "dev", "lo", "root"], check=False)
+    return added.returncode == 0
 
 
 def _raise_exit(signum, frame):
@@ -314,7 +355,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--rate_gbit", type=float, help="per direction of each link (default: unshaped)")
-    parser.add_argument("--delay_ms", type=float, default=0.0, help="one-way, needs sch_netem in the kernel")
+    parser.add_argument("--delay_ms", type=float, default=0.0,
+                        help="one-way: netem where the kernel has it, else a delay line (2 hosts)")
     parser.add_argument("--measure", action="store_true", help="print the measured rate and round trip")
     parser.add_argument("--cleanup", action="store_true", help="remove namespaces of emulations that died")
     parser.add_argument("command", nargs="*", help="after --: run in every host ({host} = its index), wait")
@@ -325,7 +367,7 @@ def main(argv=None):
     try:
         with NetworkNamespaces(args.hosts, Link(args.rate_gbit, args.delay_ms)) as hosts:
             print(f"{args.hosts} hosts {', '.join(f'{h}={a}' for h, a in zip(hosts.hostnames, hosts.addresses))}; "
-                  f"link {hosts.link.describe()}", flush=True)
+                  f"link {hosts.link.describe()}" + (f" (by {hosts.delay_by})" if hosts.delay_by else ""), flush=True)
             if args.measure:
                 print(f"measured 0->1: {hosts.measure_rate(0, 1):.3f} Gbit/s, round trip "
                       f"{hosts.measure_rtt(0, 1):.3f} ms", flush=True)

@@ -324,11 +324,15 @@ def test_multihost_worker_trains_its_steps_on_each_rank(tmp_path):
               "--warmup", "1", "--steps", "2", "--keras", "keras3"]
     script("benchmarks/multihost/worker.py", ["--mode", "tfdist", "--compression", "bf16", *common,
                                               "--out", tmp_path / "tfdist"], np=2)
+    script("benchmarks/multihost/worker.py", ["--mode", "horovod_fit", *common[:-1], "tf_keras",
+                                              "--out", tmp_path / "horovod_fit"], np=2)
     script("benchmarks/multihost/worker.py", ["--mode", "none", *common, "--out", tmp_path / "none"])
     for rank in (0, 1):
         result = json.loads((tmp_path / "tfdist" / f"rank{rank}.json").read_text())
         assert result["rank"] == rank and len(result["step_seconds"]) == 3, result
         assert result["launched"].startswith("HorovodStrategy(") and f"rank {rank} of 2" in result["launched"]
+        horovods = json.loads((tmp_path / "horovod_fit" / f"rank{rank}.json").read_text())  # hvd.DistributedOptimizer + fit
+        assert horovods["rank"] == rank and len(horovods["step_seconds"]) == 3, horovods
     alone = json.loads((tmp_path / "none" / "rank0.json").read_text())
     assert alone["gradient_bytes"] == (8 * 8 * 3 * 4 + 4) * 4 and len(alone["step_seconds"]) == 3
 

@@ -74,18 +74,25 @@ def test_bridge_joins_three_hosts_each_link_shaped():
 
 
 @needs_namespaces
-def test_latency_is_the_set_delay():
+def test_latency_is_the_set_delay_by_netem_or_the_delay_line():
     with NetworkNamespaces(2) as hosts:
+        veth = hosts.measure_rtt(0, 1)
+    assert veth < 1.0 and hosts.delay_by is None, f"veth round trip {veth:.3f} ms"
+    by = "netem" if netem_available() else "delay line"
+    with NetworkNamespaces(2, Link(rate_gbit=1, delay_ms=0.001)) as hosts:  # the path's own round trip
         base = hosts.measure_rtt(0, 1)
-    assert base < 1.0, f"veth round trip {base:.3f} ms"
-    if not netem_available():
-        with pytest.raises(EmulationError, match="no sch_netem"):
-            NetworkNamespaces(2, Link(rate_gbit=1, delay_ms=0.25)).__enter__()
-        pytest.skip(f"this kernel has no sch_netem: no delay can be added (veth round trip {base:.3f} ms); "
-                    "the refusal names the missing qdisc")
     with NetworkNamespaces(2, Link(rate_gbit=1, delay_ms=0.25)) as hosts:
+        assert hosts.delay_by == by
         rtt = hosts.measure_rtt(0, 1)
-    assert 0.5 <= rtt - base <= 0.5 * 1.3 + 0.1, (rtt, base)
+        rate = hosts.measure_rate(0, 1, 16 << 20)
+        line = hosts._delay_line
+    assert 0.5 <= rtt - base <= 0.5 * 1.3 + 0.1, (by, rtt, base, veth)
+    assert 0.8 <= rate <= 1.05, f"{by}: {rate:.3f} Gbit/s on a 1 Gbit/s link with 0.5 ms round trip"
+    if line is not None:
+        assert line.poll() is not None, "the delay line outlived its hosts"
+    if by == "delay line":
+        with pytest.raises(EmulationError, match="joins two hosts only"):
+            NetworkNamespaces(3, Link(delay_ms=0.25)).__enter__()
 
 
 def test_tc_commands_put_the_rate_under_the_delay():
@@ -96,6 +103,8 @@ def test_tc_commands_put_the_rate_under_the_delay():
     netem, tbf = emulate_hosts.tc_commands("n", "d", Link(rate_gbit=10, delay_ms=0.1))
     assert netem[7:12] == ["root", "handle", "1:", "netem", "delay"] and netem[12] == "100us"
     assert tbf[7:9] == ["parent", "1:1"]
+    (tbf,) = emulate_hosts.tc_commands("n", "d", Link(rate_gbit=10, delay_ms=0.1), netem=False)  # a delay line's
+    assert tbf[7] == "root" and "netem" not in tbf
 
 
 @needs_namespaces
@@ -218,6 +227,9 @@ def test_benchmark_mode_names_parse_into_schedule_cycle_and_compression():
     assert parse("ready~1+powersgd:4", 25) == ("tfdist", "ready", 1.0, "powersgd:4")
     assert parse("one-collective+topk:0.001", 25) == ("tfdist", 0.0, None, "topk:0.001")
     assert parse("horovod@1", 25) == ("horovod", 0.0, None, None)
-    for bad in ("horovod+powersgd", "ready:4", "buckets"):
+    assert parse("HOROVOD_CYCLE_ON_ENQUEUE=0 ready~10", 25) == ("tfdist", "ready", 10.0, None)
+    assert multihost_benchmark.mode_env("A=1 B=x=y ready") == ({"A": "1", "B": "x=y"}, "ready")
+    assert multihost_benchmark.sharded("HOROVOD_CYCLE_ON_ENQUEUE=0 ready/sharded")
+    for bad in ("horovod+powersgd", "ready:4", "buckets", "A ready"):
         with pytest.raises(SystemExit, match="--modes"):
             parse(bad, 25)

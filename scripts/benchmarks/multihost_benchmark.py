@@ -13,9 +13,12 @@ repeat, in alternating order. Modes: ready (HorovodStrategy's default, bucket_mb
 gradient as it exists), bucketed (HorovodStrategy(bucket_mb=--bucket_mb)), bucketed:<MB> (another
 size), one-collective (bucket_mb=0), each optionally with ~<ms> (Horovod's cycle) and +<method>
 (compression: +powersgd:4, +topk:0.001, +fp16, +bf16), e.g. ready~1+powersgd:4, and /sharded
-(shard_optimizer_state=True, last: ready+fp16/sharded); horovod, mwms.
+(shard_optimizer_state=True, last: ready+fp16/sharded); horovod (its loop with
+DistributedGradientTape), horovod_fit (its DistributedOptimizer with model.fit), mwms.
+A mode may start with environment settings for its ranks ("HOROVOD_CYCLE_ON_ENQUEUE=0 ready").
 --keras keras3 runs the Keras modes on Keras 3, --loss_scale wraps their optimizer in
-LossScaleOptimizer.
+LossScaleOptimizer. --delay_ms adds a one-way delay to the link (netem, or on kernels without it
+tests/delay_line.py); the measured round trip is in the output.
 
 Per mode: median step (warm-up excluded, every step of rank 0 of every run pooled), exposed
 communication = step - step of the 1-rank baseline, efficiency = baseline / step, and
@@ -52,6 +55,14 @@ class RunFailed(RuntimeError):
     pass
 
 
+def mode_env(name):
+    """'A=1 B=2 ready' -> ({'A': '1', 'B': '2'}, 'ready'): a mode's own environment, and the mode."""
+    *settings, bare = name.split(" ")
+    if not all("=" in s for s in settings):
+        raise SystemExit(f"--modes {name!r}: expected NAME=VALUE settings before one mode")
+    return dict(s.split("=", 1) for s in settings), bare
+
+
 def parse_mode(name, bucket_mb):
     """A mode name -> (kind, bucket, cycle_ms, compression).
 
@@ -61,7 +72,7 @@ def parse_mode(name, bucket_mb):
     ('ready+powersgd:4'). A suffix '@1' ('horovod@1') runs that mode as a 1-rank job in host 0.
     '/sharded' after a tfdist mode ('ready/sharded') adds shard_optimizer_state=True (see sharded()).
     """
-    body = name.split("@")[0].removesuffix("/sharded")
+    body = mode_env(name)[1].split("@")[0].removesuffix("/sharded")
     body, _, compression = body.partition("+")
     body, _, cycle = body.partition("~")
     base, _, size = body.partition(":")
@@ -72,15 +83,15 @@ def parse_mode(name, bucket_mb):
         return ("tfdist", 0.0, *extras)
     if base == "ready" and not size:
         return ("tfdist", "ready", *extras)
-    if base in ("horovod", "mwms", "none") and not size and extras == (None, None) and not sharded(name):
+    if base in ("horovod", "horovod_fit", "mwms", "none") and not size and extras == (None, None) and not sharded(name):
         return base, 0.0, None, None
     raise SystemExit(f"--modes {name!r}: expected bucketed[:MB], one-collective or ready (each with an "
-                     "optional ~<cycle ms>, +<compression> and /sharded), horovod or mwms")
+                     "optional ~<cycle ms>, +<compression> and /sharded), horovod, horovod_fit or mwms")
 
 
 def sharded(name):
     """Whether mode `name` shards the optimizer state ('ready/sharded', 'bucketed:4+fp16/sharded')."""
-    return name.split("@")[0].endswith("/sharded")
+    return mode_env(name)[1].split("@")[0].endswith("/sharded")
 
 
 def clean_env():
@@ -107,7 +118,8 @@ def launch(hosts, name, args, out_dir, job, timeline=None):
     ranks = 1 if single else len(hosts.names)
     os.makedirs(out_dir, exist_ok=True)
     argv = [sys.executable, WORKER, "--mode", mode, "--bucket_mb", bucket, "--model", args.model,
-            "--batch_size", args.batch_size, "--image_size", args.image_size, "--warmup", args.warmup,
+            "--batch_size", args.batch_size, "--image_size", args.image_size,
+            "--num_classes", args.num_classes, "--warmup", args.warmup,
             "--steps", args.steps, "--out", out_dir]
     argv += ["--cycle_ms", cycle] if cycle is not None else []
     argv += ["--compression", compression] if compression else []
@@ -116,7 +128,7 @@ def launch(hosts, name, args, out_dir, job, timeline=None):
     procs = []
     try:
         for r in range(ranks):
-            env = {**clean_env(), **({} if single else rank_env(hosts, mode, r, job))}
+            env = {**clean_env(), **({} if single else rank_env(hosts, mode, r, job)), **mode_env(name)[0]}
             if timeline:
                 env["HOROVOD_TIMELINE"] = timeline
             log = open(os.path.join(out_dir, f"task{r}.log"), "w")
@@ -171,7 +183,8 @@ def summarize(runs, args, link):
             mode, bucket, _, compression = parse_mode(name, args.bucket_mb)
             bucket = args.horovod_model_bucket_mb if bucket == "ready" else bucket
             row.update(exposed_ms=step - base, efficiency=base / step)
-            modelled = {"tfdist": bucket, "mwms": 0.0, "horovod": args.horovod_model_bucket_mb}[mode]
+            modelled = {"tfdist": bucket, "mwms": 0.0, "horovod": args.horovod_model_bucket_mb,
+                        "horovod_fit": args.horovod_model_bucket_mb}[mode]
             for label, gbit in (("nominal", args.rate_gbit), ("measured", link["goodput_gbit"])):
                 if not gbit:
                     continue
@@ -192,11 +205,12 @@ def comparisons(rows, args):
     out = {}
     one = by.get("one-collective")
     for name, row in by.items():
-        if name.startswith("bucketed") and one and "exposed_ms" in row and one.get("exposed_ms", 0) > 0:
+        bare = mode_env(name)[1]
+        if bare.startswith("bucketed") and one and "exposed_ms" in row and one.get("exposed_ms", 0) > 0:
             out[f"{name}: hidden fraction of one-collective's exposed communication"] = 1 - row["exposed_ms"] / one["exposed_ms"]
             out[f"{name}: speed vs one-collective"] = one["step_ms"] / row["step_ms"]
-        if name.startswith(("bucketed", "ready", "one-collective")):
-            for peer in ("horovod", "mwms"):
+        if bare.startswith(("bucketed", "ready", "one-collective")):
+            for peer in ("horovod", "horovod_fit", "mwms"):
                 if peer in by:
                     out[f"{name}: speed vs {peer}"] = by[peer]["step_ms"] / row["step_ms"]
     return out
@@ -238,10 +252,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--rate_gbit", type=float, default=1.0)
-    parser.add_argument("--delay_ms", type=float, default=0.0, help="one-way; needs sch_netem in the kernel")
+    parser.add_argument("--delay_ms", type=float, default=0.0, help="one-way: netem, else a delay line")
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--num_classes", type=int, default=1000)
     parser.add_argument("--modes", nargs="+", default=["bucketed", "one-collective", "horovod", "mwms"])
     parser.add_argument("--bucket_mb", type=float, default=25)
     parser.add_argument("--no_baseline", action="store_true")
@@ -272,15 +287,17 @@ def main(argv=None):
     with emulate_hosts.NetworkNamespaces(args.hosts, link) as hosts:
         meta["measured_link"] = measured = {"goodput_gbit": hosts.measure_rate(0, 1, 32 << 20),
                                             "rtt_ms": hosts.measure_rtt(0, 1)}
-        print(f"{meta['date']}: {args.hosts} hosts, link {link.describe()}: measured {measured['goodput_gbit']:.3f} "
+        meta["delay_by"] = hosts.delay_by
+        print(f"{meta['date']}: {args.hosts} hosts, link {link.describe()} (delay by {hosts.delay_by}): "
+              f"measured {measured['goodput_gbit']:.3f} "
               f"Gbit/s TCP goodput, {measured['rtt_ms']:.3f} ms round trip", flush=True)
         for repeat in range(args.repeats):
             for name in (names if repeat % 2 == 0 else names[::-1]):
                 job += 1
-                out_dir = os.path.join(args.work, f"{job}-{name.replace(':', '_')}")
+                out_dir = os.path.join(args.work, f"{job}-{re.sub(r'[^A-Za-z0-9_.~+-]', '_', name)}")
                 try:
                     result = {"ranks": {str(k): v for k, v in launch(hosts, name, args, out_dir, job).items()}}
-                    print(f"repeat {repeat + 1}: {name:16s} median step "
+                    print(f"repeat {repeat + 1}: {name:36s} median step "
                           f"{statistics.median(timed_ms(result['ranks']['0'])):8.1f} ms", flush=True)
                 except RunFailed as e:
                     result = {"failed": str(e)[-3000:]}

@@ -111,8 +111,9 @@ def input_dataset(args, input_context=None, training=True):
     return ds, f"{source} ({plan.records} records/rank, mode={plan.mode})", plan
 
 
-def run_keras_fit(args, keras, strategy, rank):
-    """model.fit under `strategy` (None: no strategy); returns (timer, data source, accuracy log)."""
+def run_keras_fit(args, keras, strategy, rank, horovod=None):
+    """model.fit under `strategy` (None: none, or with `horovod`, horovod.tensorflow.keras, Horovod's
+    Keras path: its DistributedOptimizer and broadcast); returns (timer, data source, accuracy log)."""
     import contextlib
 
     timer = StepTimer()
@@ -124,7 +125,7 @@ def run_keras_fit(args, keras, strategy, rank):
         def on_train_batch_end(self, batch, logs=None):
             timer.end(logs["loss"])
 
-    replicas = strategy.num_replicas_in_sync if strategy else 1
+    replicas = strategy.num_replicas_in_sync if strategy else horovod.size() if horovod else 1
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
     train, source, plan = distributed_input(args, strategy, training=True)
@@ -138,11 +139,12 @@ def run_keras_fit(args, keras, strategy, rank):
         optimizer = make_optimizer(keras, args, learning_rate)
         if args.loss_scale:
             optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+        optimizer = horovod.DistributedOptimizer(optimizer) if horovod else optimizer
         model.compile(optimizer=optimizer,
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla,
                       metrics=["accuracy"] if args.epochs else None)
     keep_iterators(model)
-    fit_callbacks = [Timing()]
+    fit_callbacks = [Timing()] + ([horovod.callbacks.BroadcastGlobalVariablesCallback(0)] if horovod else [])
     if args.profile_dir:
         from tfdist.callbacks import ProfileSteps
 

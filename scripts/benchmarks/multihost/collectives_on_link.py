@@ -3,6 +3,8 @@
     .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --out /tmp/collectives
     .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --sizes_mb 12 24 48 --out /tmp/gathers
     .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 1 --sparse --out /tmp/sparse
+    .venv/bin/python scripts/benchmarks/multihost/collectives_on_link.py --rate_gbit 10 --delay_ms 0.5 \
+        --latency_kb 4 4800 --repeats 50 --rank_env HOROVOD_CYCLE_ON_ENQUEUE=0 --out /tmp/latency
 
 Two network namespaces on a shaped veth pair (tests/emulate_hosts.py), one rank per host on a
 core of its own, started as scripts/benchmarks/multihost_benchmark.py starts its ranks (an srun
@@ -13,8 +15,11 @@ alltoall: float16 moves the same bytes), and the float32 reduce-scatter and allg
 exchange, best of --repeats after one untimed call; with --sizes_mb, only a float32 allgather and
 alltoall of each size; with --sparse, the sparse gradients of SPARSE_TABLES three ways: as tfdist
 sends a `tf.IndexedSlices` (Horovod allgathers every looked-up row and its index), with repeated
-rows merged first (horovod/horovod#3328), and densified (one allreduce of the whole table).
---rate_gbit 0 leaves the link unshaped. Prints rank 0's milliseconds and writes them, with the link and the
+rows merged first (horovod/horovod#3328), and densified (one allreduce of the whole table); with
+--latency_kb, a float32 allreduce of each size, its median and range over --repeats after 10
+untimed calls (a collective's latency on the link: Horovod's cycle, negotiation, transfer).
+--delay_ms adds a one-way delay (tests/emulate_hosts.py: netem, or its delay line), --rank_env
+sets the ranks' environment. --rate_gbit 0 leaves the link unshaped. Prints rank 0's milliseconds and writes them, with the link and the
 command, to <out>.json.
 """
 
@@ -82,6 +87,21 @@ def rank_main(args):
     if args.sparse:
         results["tables"] = sparse_cases(best_ms, hvd, tf)
         return write(args, hvd, results)
+    if args.latency_kb:
+        results["settings"] = {k: os.environ.get(k) for k in ("HOROVOD_CYCLE_TIME", "HOROVOD_CYCLE_ON_ENQUEUE")}
+        for kb in args.latency_kb:
+            step = tf.function(lambda x, k=kb: hvd.allreduce(x, op=hvd.Sum, name=f"latency_{k:g}"))
+            x = base[: int(kb * 1000 / 4)]
+            times = []
+            for i in range(10 + args.repeats):
+                started = time.perf_counter()
+                step(x).numpy()
+                if i >= 10:
+                    times.append((time.perf_counter() - started) * 1e3)
+            times.sort()
+            results[f"allreduce float32 {kb:g} KB: median (min-max)"] = (
+                f"{times[len(times) // 2]:.2f} ({times[0]:.2f}-{times[-1]:.2f})")
+        return write(args, hvd, results)
     if args.sizes_mb:  # allgather and alltoall alone, size by size (patch 0013: each at the link's rate)
         for size_mb in args.sizes_mb:
             n = int(size_mb * 2 ** 20 / 4)
@@ -122,6 +142,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes_mb", type=float, nargs="+", help="instead: float32 allgather and alltoall of each size")
     parser.add_argument("--sparse", action="store_true", help="instead: the sparse exchange of SPARSE_TABLES, three ways")
+    parser.add_argument("--latency_kb", type=float, nargs="+", help="instead: an allreduce of each size, median of --repeats")
+    parser.add_argument("--rank_env", action="append", default=[], metavar="NAME=VALUE", help="set on the ranks")
     parser.add_argument("--out", help="write <out>.json")
     parser.add_argument("--result", help=argparse.SUPPRESS)  # set on the ranks
     args = parser.parse_args(argv)
@@ -133,14 +155,16 @@ def main(argv=None):
     link = bench.emulate_hosts.Link(args.rate_gbit or None, args.delay_ms)
     job = int(time.time()) % 100000 * 10
     with bench.emulate_hosts.NetworkNamespaces(2, link) as hosts, tempfile.TemporaryDirectory() as scratch:
-        measured = hosts.measure_rate(0, 1, 32 << 20)
+        measured, rtt = hosts.measure_rate(0, 1, 32 << 20), hosts.measure_rtt(0, 1)
         result = os.path.join(scratch, "rank0.json")
         argv = [sys.executable, os.path.abspath(__file__), "--elements", str(args.elements), "--repeats",
                 str(args.repeats), "--result", result, *(["--sizes_mb", *map(str, args.sizes_mb)] if args.sizes_mb else []),
-                *(["--sparse"] if args.sparse else [])]
+                *(["--sparse"] if args.sparse else []),
+                *(["--latency_kb", *map(str, args.latency_kb)] if args.latency_kb else [])]
         procs = []
         for r in range(2):
-            env = {**bench.clean_env(), **bench.rank_env(hosts, "ready", r, job), **bench.THREADS}
+            env = {**bench.clean_env(), **bench.rank_env(hosts, "ready", r, job), **bench.THREADS,
+                   **dict(e.split("=", 1) for e in args.rank_env)}
             log = open(os.path.join(scratch, f"task{r}.log"), "w")
             procs.append(hosts.run(r, argv, core=r % os.cpu_count(), env=env, cwd=ROOT, stdout=log,
                                    stderr=subprocess.STDOUT))
@@ -148,16 +172,18 @@ def main(argv=None):
         if any(codes):
             sys.exit(f"ranks exited with {codes}\n" + open(os.path.join(scratch, "task0.log")).read()[-3000:])
         results = json.load(open(result))
-    header = f"link {link.describe()}, measured {measured:.3f} Gbit/s; {bench.cpu_model()}"
-    tables = results.pop("tables", {})
-    print(header + "\n" + "\n".join(f"{k}: {v} ms" for k, v in results.items()))
+    header = (f"link {link.describe()} (delay by {hosts.delay_by}), measured {measured:.3f} Gbit/s, "
+              f"round trip {rtt:.3f} ms; {bench.cpu_model()}; ranks' environment {args.rank_env}")
+    tables, settings = results.pop("tables", {}), results.pop("settings", None)
+    print(header + (f"; on the ranks {settings}" if settings else "") + "\n"
+          + "\n".join(f"{k}: {v} ms" for k, v in results.items()))
     for name, table in tables.items():
         print(f"{name}: {table['rows']} x {table['width']}, {table['looked_up']} rows looked up a rank "
               f"({table['unique_here']} different on rank 0); bytes rank 0 receives: {table['bytes_received']}")
     if args.out:
         with open(f"{args.out}.json", "w") as f:
             json.dump({"command": " ".join([sys.executable, *sys.argv]), "link": header,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "ms": results,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "ms": results, "settings": settings,
                        "tables": tables}, f, indent=1)
     return 0
 

@@ -10,6 +10,8 @@ Modes, all on tf-keras (or Keras 3 with --keras keras3) and the same model:
            per dtype, 'ready': each gradient as it exists); --cycle_ms sets Horovod's cycle
   horovod  Horovod's documented loop: hvd.DistributedGradientTape + hvd.broadcast_variables, after
            tfdist.launch.prepare() turned the SLURM_* variables into Horovod's Gloo environment
+  horovod_fit  Horovod's Keras path, started the same way: model.fit with
+           hvd.DistributedOptimizer and its BroadcastGlobalVariablesCallback (horovod.tensorflow.keras)
   mwms     tf.distribute.MultiWorkerMirroredStrategy + model.fit, workers from TF_CONFIG
   none     one process, plain model.fit (the 1-rank baseline)
 Writes `rank<R>.json` in --out: every step time (warm-up included, and marked), gradient bytes,
@@ -25,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mlp:wide_mlp
 
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-PARSER.add_argument("--mode", required=True, choices=["tfdist", "horovod", "mwms", "none"])
+PARSER.add_argument("--mode", required=True, choices=["tfdist", "horovod", "horovod_fit", "mwms", "none"])
 PARSER.add_argument("--bucket_mb", default="0", help="MB, or 'ready' (each gradient as it exists)")
 PARSER.add_argument("--cycle_ms", type=float, default=None, help="Horovod cycle for tfdist (default: tfdist's)")
 PARSER.add_argument("--compression", default=None, help="HorovodStrategy(compression=...)")
@@ -73,7 +75,7 @@ def main():
                     f"shard_optimizer_state={args.shard_optimizer_state}), rank {strategy.rank} of {strategy.size} on "
                     f"{os.environ.get('HOROVOD_HOSTNAME')}, interface {os.environ.get('HOROVOD_GLOO_IFACE')}, "
                     f"rendezvous {os.environ.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}")
-    elif args.mode == "horovod":
+    elif args.mode in ("horovod", "horovod_fit"):
         import horovod.tensorflow as hvd
 
         from tfdist.launch import start as launch
@@ -87,6 +89,10 @@ def main():
     start = time.time()
     if args.mode == "horovod":
         timer, _, _ = bench.run_horovod_loop(bargs, keras)
+    elif args.mode == "horovod_fit":
+        import horovod.tensorflow.keras as hvd_keras
+
+        timer, _, _ = bench.run_keras_fit(bargs, keras, None, rank, horovod=hvd_keras)
     else:
         timer, _, _ = bench.run_keras_fit(bargs, keras, strategy, rank)
     effect = tuning.in_effect()
@@ -95,7 +101,8 @@ def main():
               "gradient_bytes": gradient_bytes(keras, args) if args.mode == "none" else None, "started": start,
               "in_effect": {**effect, "cpus": list(effect["cpus"])},
               "affinity": sorted(os.sched_getaffinity(0)), "tf": tf.__version__,
-              "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME", "Horovod's default (1)")}
+              "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME", "Horovod's default (1)"),
+              "horovod_cycle_on_enqueue": os.environ.get("HOROVOD_CYCLE_ON_ENQUEUE", "unset")}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -106,7 +113,7 @@ def main():
 def rank_of(mode, strategy):
     if mode == "tfdist":
         return strategy.rank
-    if mode == "horovod":
+    if mode in ("horovod", "horovod_fit"):
         import horovod.tensorflow as hvd
 
         return hvd.rank()
