@@ -4,7 +4,9 @@ sends from each rank, and numpy's sum of them split as Horovod splits it.
 `check(ranks)` compares every rank's results ({rank: reducescatter_checks() dict}) with numpy's:
 exactly for integer-valued inputs (every order of summation gives the same), within 1e-5 for
 random float32 values. The same launch checks Gloo's allgather and alltoall (patch 0013 reorders
-their sends and receives): `gather_inputs` and `check_gathers`.
+their sends and receives): `gather_inputs` and `check_gathers`; and its allreduce of small inputs
+(patch 0018: one exchange, every rank reducing in rank order): `small_allreduce_inputs` and
+`check_small_allreduces`.
 """
 
 import numpy as np
@@ -88,3 +90,41 @@ def check_gathers(ranks):
         blocks = [np.split(i[1], np.cumsum(i[2])[:-1])[rank] for i in inputs]
         assert got["alltoall"] == rows_summary(np.concatenate(blocks)), f"alltoall, rank {rank} of {size}"
         assert got["alltoall_received_splits"] == [len(b) for b in blocks], rank
+
+
+DIRECT_BYTES = 256 * 1024  # patch 0018's default: the largest input times (ranks - 1) allreduced directly
+
+
+def small_allreduce_inputs(rank, size):
+    """{name: (array, op)} this rank allreduces: small ones (one exchange) and one just over the limit (the ring)."""
+    rng = np.random.default_rng(900 + rank)
+    ring_elements = DIRECT_BYTES // (4 * (size - 1)) + 1000
+    return {
+        "normal": (rng.normal(size=1000).astype(np.float32), "sum"),
+        "double": (rng.normal(size=(30, 10)), "sum"),
+        "int": (rng.integers(-10_000, 10_000, size=500).astype(np.int32), "sum"),
+        "max": (rng.normal(size=700).astype(np.float32), "max"),
+        "grouped_a": (rng.normal(size=300).astype(np.float32), "sum"),
+        "grouped_b": (rng.normal(size=(20, 3)).astype(np.float32), "sum"),
+        "ring": (rng.normal(size=ring_elements).astype(np.float32), "sum"),
+    }
+
+
+def check_small_allreduces(ranks):
+    """Small allreduces: on every rank exactly the inputs reduced in rank order (x0 + x1 + ...), in
+    their dtype; the one over the limit within float32 rounding, and (3 ranks or more) not that."""
+    size = len(ranks)
+    inputs = [small_allreduce_inputs(r, size) for r in range(size)]
+    for name, (first, op) in inputs[0].items():
+        ordered = first.copy()
+        for other in inputs[1:]:
+            ordered = np.maximum(ordered, other[name][0]) if op == "max" else ordered + other[name][0]
+        for rank, got in ranks.items():
+            mine = np.array(got[name], dtype=first.dtype).reshape(first.shape)
+            if name != "ring":
+                np.testing.assert_array_equal(mine, ordered, err_msg=f"{name}, rank {rank} of {size}")
+            else:
+                np.testing.assert_allclose(mine, ordered, rtol=1e-5, atol=1e-5, err_msg=f"ring, rank {rank} of {size}")
+            assert got[name] == ranks[0][name], f"{name}: rank {rank} differs from rank 0"
+        if name == "ring" and size > 2:  # the ring sums each piece in another order
+            assert not np.array_equal(np.array(ranks[0][name], dtype=np.float32), ordered), "ring"

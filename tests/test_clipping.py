@@ -71,5 +71,14 @@ def test_reducescatter_allgather_and_alltoall_on_gloo_give_each_rank_numpys_resu
     reducescatter_reference.check_gathers(scattered)
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_small_allreduces_on_gloo_are_one_exchange_reduced_in_rank_order(tmp_path_factory, ranks):
+    """Patch 0018: below its limit every rank gets exactly x0 + x1 + ... (a ring sums in another order)."""
+    results = ranks_job(ranks, tmp_path_factory)
+    assert results[0]["reducescatter"]["controller"] == "gloo"
+    reducescatter_reference.check_small_allreduces({r: results[r]["reducescatter"]["small_allreduce"]
+                                                    for r in range(ranks)})
+
+
 def _largest_difference(a, b):
     return max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a, b))

@@ -1,5 +1,6 @@
-"""Horovod's reduce-scatter on real ranks (tfdist's patch 0011: Gloo's is a pipelined ring), and its
-allgather and alltoall (patch 0013: Gloo posts their receives first).
+"""Horovod's reduce-scatter on real ranks (tfdist's patch 0011: Gloo's is a pipelined ring), its
+allgather and alltoall (patch 0013: Gloo posts their receives first), and its allreduce of small
+inputs (patch 0018: one exchange, not a ring), under "small_allreduce".
 
     horovodrun -np 3 --gloo python tests/multirank/reducescatter_checks.py --out DIR
 
@@ -22,7 +23,8 @@ from common import quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
-from reducescatter_reference import ALONE, GROUPED, gather_inputs, rank_inputs, rows_summary  # noqa: E402
+from reducescatter_reference import (  # noqa: E402
+    ALONE, GROUPED, gather_inputs, rank_inputs, rows_summary, small_allreduce_inputs)
 
 
 def reducescatter_checks():
@@ -43,7 +45,20 @@ def reducescatter_checks():
     results["allgather"] = rows_summary(hvd.allgather(tf.constant(mine), name="tfdist_gather_check").numpy())
     received, received_splits = hvd.alltoall(tf.constant(to_all), splits=splits, name="tfdist_alltoall_check")
     results["alltoall"], results["alltoall_received_splits"] = rows_summary(received.numpy()), received_splits.numpy().tolist()
+    results["small_allreduce"] = small_allreduces(hvd, tf)
     return results
+
+
+def small_allreduces(hvd, tf):
+    ops = {"sum": hvd.Sum, "max": hvd.Max}
+    inputs = small_allreduce_inputs(hvd.rank(), hvd.size())
+    found = {}
+    for name, (value, op) in inputs.items():
+        if not name.startswith("grouped"):
+            found[name] = hvd.allreduce(tf.constant(value), op=ops[op], name=f"tfdist_small_{name}").numpy().tolist()
+    grouped = hvd.grouped_allreduce([tf.constant(inputs[n][0]) for n in ("grouped_a", "grouped_b")], op=hvd.Sum)
+    found["grouped_a"], found["grouped_b"] = (g.numpy().tolist() for g in grouped)
+    return found
 
 
 def main():
