@@ -431,6 +431,18 @@ def test_distributed_dataset_auto_shard(job, case, tmp_path_factory):
             assert [p["batches"] for p in parts] == [m["batches"] for m in mwms], "batches differ from MWMS's"
 
 
+@pytest.mark.parametrize("job", JOBS)
+def test_cpu_ranks_read_batches_without_a_multi_device_iterator(job, tmp_path_factory):
+    # TF's MultiDeviceIterator copies each batch to the replica's device; on a CPU rank that is a
+    # generator call and a thread hop a step for nothing (the batches above are the same either way)
+    for w, part in enumerate(scenario(job, "input", tmp_path_factory)):
+        for kind, specs in part["iterator_kinds"].items():
+            if job.startswith("mwms"):  # the probe sees TF's own way
+                assert "MultiDeviceIteratorSpec" in specs, f"worker {w} {kind}: {specs}"
+            else:
+                assert "MultiDeviceIteratorSpec" not in specs and "IteratorSpec" in specs, f"worker {w} {kind}: {specs}"
+
+
 GLOBAL_BATCHES = [list(range(s, min(s + 16, TOTAL))) for s in range(0, TOTAL, 16)]
 BATCH_OPS = ("gather_axis0", "reduce_mean_axis0", "reduce_sum_axis0", "reduce_sum_none", "reduce_sum_rows")
 

@@ -14,6 +14,8 @@ from tfdist import collectives
 from tfdist.input_contract import check_global_batch, is_per_rank, is_sharded
 from tfdist.strategy_extended import _describe_signature
 
+from multirank.common import iterator_kinds
+
 
 @pytest.fixture(scope="module")
 def strategy():
@@ -188,3 +190,29 @@ def test_first_dataset_check_describes_elements_of_unknown_shape(tmp_path):
     items = dict((name, text) for name, _, text in dataset_items(labelled))
     assert items["dataset batch size"] == "2, unknown rank"
     assert "float32[unknown rank]" in items["dataset element structure (shapes without the batch dimension, dtypes)"]
+
+
+def test_cpu_rank_reads_through_a_plain_iterator_with_the_same_batches(strategy, monkeypatch):
+    from tfdist.input_contract import iterator_options
+
+    per_replica = tf.distribute.InputReplicationMode.PER_REPLICA
+    assert iterator_options(None, "/cpu:0").experimental_replication_mode == per_replica
+    assert not iterator_options(None, "/job:localhost/replica:0/task:0/device:CPU:0").experimental_fetch_to_device
+    assert iterator_options(None, "/gpu:0") is None  # a GPU rank keeps TF's copy to its device
+    asked = tf.distribute.InputOptions(experimental_per_replica_buffer_size=3)
+    assert iterator_options(asked, "/cpu:0").experimental_per_replica_buffer_size == 3
+
+    dataset = tf.data.Dataset.range(10).batch(4)
+    reference = tf.distribute.OneDeviceStrategy("/cpu:0").experimental_distribute_dataset(dataset)
+    assert "MultiDeviceIteratorSpec" in iterator_kinds(reference)  # the probe sees TF's way
+    distributed = (strategy.experimental_distribute_dataset(dataset),
+                   strategy.distribute_datasets_from_function(lambda ctx: dataset))
+    for each in distributed:
+        assert "MultiDeviceIteratorSpec" not in iterator_kinds(each)
+        assert "IteratorSpec" in iterator_kinds(each)
+        assert each.element_spec == reference.element_spec
+        assert [b.numpy().tolist() for b in each] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    monkeypatch.setenv("TFDIST_MULTI_DEVICE_ITERATOR", "1")  # TF's way back, for A/B comparisons
+    assert "MultiDeviceIteratorSpec" in iterator_kinds(strategy.experimental_distribute_dataset(dataset))
+    with pytest.raises(NotImplementedError, match="PER_REPLICA"):  # as OneDeviceStrategy: datasets_from_function only
+        strategy.experimental_distribute_dataset(dataset, tf.distribute.InputOptions(experimental_replication_mode=per_replica))

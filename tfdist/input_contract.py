@@ -8,6 +8,7 @@ the ranks' shuffles agree.
 """
 
 import logging
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -16,6 +17,7 @@ from tfdist import _compat, collectives
 from tfdist.faults import consistency
 
 log = logging.getLogger("tfdist")
+MULTI_DEVICE_ITERATOR_ENV = "TFDIST_MULTI_DEVICE_ITERATOR"
 
 
 def agree_on_tf_seed():
@@ -127,3 +129,40 @@ def is_sharded(dataset):
     except Exception:  # noqa: BLE001 - an unknown dataset type: do not warn
         return True
     return b"ShardDataset" in graph_def
+
+
+
+def iterator_options(options, device):
+    """The `tf.distribute.InputOptions` a rank's distributed dataset is built with.
+
+    TensorFlow's default (`PER_WORKER`) hands every batch through a `MultiDeviceIterator`, a
+    generator that copies each batch to the replica's device. Where that device is the CPU, the
+    batch is there already, and the generator only adds a function call and a hop between threads
+    to every step, on the core the step runs on. A CPU rank therefore reads its dataset through a
+    plain `tf.data` iterator: what `PER_REPLICA` without fetching gives with one replica per
+    worker. Splitting, sharding, batching and partial batches are the same either way. A GPU rank,
+    options that set `PER_REPLICA` themselves, and `TFDIST_MULTI_DEVICE_ITERATOR=1` in the
+    environment (TensorFlow's way, for comparisons) keep `options` as given.
+
+    ```python
+    options = iterator_options(None, "/cpu:0")
+    assert options.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA
+    assert iterator_options(None, "/gpu:0") is None
+    ```
+    """
+    asked = options or tf.distribute.InputOptions()
+    if (os.environ.get(MULTI_DEVICE_ITERATOR_ENV) == "1"
+            or tf.DeviceSpec.from_string(device).device_type not in ("CPU", None)
+            or asked.experimental_replication_mode != tf.distribute.InputReplicationMode.PER_WORKER):
+        return options
+    return tf.distribute.InputOptions(
+        experimental_fetch_to_device=False,
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+        experimental_place_dataset_on_device=False,
+        experimental_per_replica_buffer_size=asked.experimental_per_replica_buffer_size,
+    )
+
+
+def prefetched(dataset, options):
+    """`dataset` with the buffer the `MultiDeviceIterator` kept (it reads ahead on its own thread)."""
+    return dataset.prefetch(options.experimental_per_replica_buffer_size)

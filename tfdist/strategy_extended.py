@@ -138,7 +138,12 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
                 "you split the data per rank yourself, else every rank reads the same records)",
                 collectives.rank(),
             )
-        return super()._experimental_distribute_dataset(dataset, options)
+        plain = self._iterator_options(options)
+        if plain is options:  # OneDeviceStrategy's way (it refuses PER_REPLICA options)
+            return super()._experimental_distribute_dataset(dataset, options)
+        return _compat.input_util.get_distributed_dataset(
+            input_contract.prefetched(dataset, plain), self._input_workers_with_options(plain),
+            self._container_strategy(), options=plain)
 
     def _distribute_global_dataset(self, dataset, options):
         """As MWMS: split every global batch across ranks (rebatch), then auto-shard."""
@@ -156,6 +161,7 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
                 "already, as in Horovod scripts, use HorovodStrategy(batch_convention='per_rank') "
                 "or set options.experimental_distribute.auto_shard_policy = OFF.",
                 collectives.rank(), size, size)
+        options = self._iterator_options(options)
         return _compat.input_util.get_distributed_dataset(
             watched,
             self._input_workers_with_options(options),
@@ -171,13 +177,17 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
             self._check_next_dataset = False
             consistency.check_dataset(dataset)
 
+    def _iterator_options(self, options):
+        return input_contract.iterator_options(options, self._device)
+
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        given, options = options, self._iterator_options(options)
         context = self._input_context()
         built = []
 
         def dataset_fn_recorded(input_context):
             built.append(dataset_fn(input_context))
-            return built[-1]
+            return built[-1] if options is given else input_contract.prefetched(built[-1], options)
 
         distributed = _compat.input_util.get_distributed_datasets_from_function(
             dataset_fn_recorded,

@@ -111,7 +111,7 @@ def rank_env(hosts, mode, rank, job):
             "SLURM_TASKS_PER_NODE": f"1(x{n})", "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0"}
 
 
-def launch(hosts, name, args, out_dir, job, timeline=None):
+def launch(hosts, name, args, out_dir, job, timeline=None, profile_dir=None):
     """Run mode `name` (one rank per host, or the 1-rank baseline in host 0); {rank: result}."""
     mode, bucket, cycle, compression = parse_mode(name, args.bucket_mb)
     single = mode == "none" or name.endswith("@1")
@@ -125,6 +125,7 @@ def launch(hosts, name, args, out_dir, job, timeline=None):
     argv += ["--compression", compression] if compression else []
     argv += ["--keras", args.keras] + (["--loss_scale"] if args.loss_scale else [])
     argv += ["--shard_optimizer_state"] if sharded(name) else []
+    argv += ["--profile_dir", profile_dir] if profile_dir else []
     procs = []
     try:
         for r in range(ranks):
@@ -268,6 +269,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeline", nargs="+", default=[],
                         help="an extra run of each of these modes with HOROVOD_TIMELINE, analysed")
+    parser.add_argument("--profile", nargs="+", default=[],
+                        help="an extra run of each of these modes, 3 steps TF-profiled on rank 0 "
+                             "(<out>-profile-<mode>; read with tfdist-profile)")
     parser.add_argument("--horovod_model_bucket_mb", type=float, default=1.0,
                         help="how the predictor models Horovod's per-tensor allreduces (fine buckets)")
     parser.add_argument("--run_timeout", type=float, default=420)
@@ -320,6 +324,17 @@ def main(argv=None):
             except (RunFailed, ValueError, OSError) as e:
                 meta["timelines"][name] = {"failed": str(e)[-3000:]}
                 print(f"timeline run of {name} FAILED\n{e}", flush=True)
+        meta["profiles"] = {}
+        for name in args.profile:
+            job += 1
+            path = os.path.abspath(f"{args.out}-profile-{re.sub(r'[^A-Za-z0-9_.~+-]', '_', name)}")
+            try:
+                result = launch(hosts, name, args, os.path.join(args.work, f"{job}-profile"), job, profile_dir=path)
+                meta["profiles"][name] = {"dir": os.path.relpath(path, ROOT), "step_ms": timed_ms(result[0])}
+                print(f"TF profile of {name}: {path}", flush=True)
+            except RunFailed as e:
+                meta["profiles"][name] = {"failed": str(e)[-3000:]}
+                print(f"profiled run of {name} FAILED\n{e}", flush=True)
     summary = summarize(runs, args, measured)
     save(args.out, meta, runs, summary)
     print("\n" + markdown(summary, meta))

@@ -56,3 +56,20 @@ class LogMessages(logging.Handler):
 def quiet_tensorflow():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.stdout.reconfigure(line_buffering=True)
+
+
+def iterator_kinds(distributed):
+    """The type specs an iterator over `distributed` is made of (its parts, recursively): TF's
+    `MultiDeviceIteratorSpec` where it copies batches to the replicas' devices."""
+    import tensorflow as tf
+
+    kinds = set()
+
+    def walk(spec):
+        kinds.add(type(spec).__name__)
+        for part in tf.nest.flatten(getattr(spec, "_component_specs", None)):
+            if isinstance(part, tf.TypeSpec) and part is not spec:  # a tensor's spec is its own part
+                walk(part)
+
+    walk(iter(distributed)._type_spec)
+    return kinds

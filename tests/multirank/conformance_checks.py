@@ -38,7 +38,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
+from common import iterator_kinds, keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -342,6 +342,12 @@ def input_pipelines(run):
                             outputs[op] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             for op in ops:
                 results[f"batch_values/{op}/{mode}"] = outputs[op]
+    # How batches reach the replica: TF's MultiDeviceIterator, or a plain iterator (tfdist on a CPU rank)
+    results["iterator_kinds"] = {
+        "dataset": sorted(iterator_kinds(strategy.experimental_distribute_dataset(slices_dataset()))),
+        "from_function": sorted(iterator_kinds(strategy.distribute_datasets_from_function(
+            lambda ctx: slices_dataset().shard(ctx.num_input_pipelines, ctx.input_pipeline_id)))),
+    }
     return results
 
 

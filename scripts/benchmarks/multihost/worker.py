@@ -40,6 +40,7 @@ PARSER.add_argument("--steps", type=int, default=5)
 PARSER.add_argument("--keras", choices=["tf_keras", "keras3"], default="tf_keras")
 PARSER.add_argument("--loss_scale", action="store_true", help="wrap the optimizer in Keras' LossScaleOptimizer")
 PARSER.add_argument("--shard_optimizer_state", action="store_true", help="HorovodStrategy(shard_optimizer_state=True)")
+PARSER.add_argument("--profile_dir", default=None, help="TF-profile 3 steps after the warm-up on rank 0")
 PARSER.add_argument("--out", required=True)
 
 
@@ -50,7 +51,8 @@ def benchmark_args(args):
     bargs = PARSER.parse_args(["--model", args.model, "--batch_size", str(args.batch_size), "--image_size",
                                str(args.image_size), "--num_classes", str(args.num_classes),
                                "--num_warmup_batches", str(args.warmup), "--num_batches", str(args.steps),
-                               *(["--loss_scale"] if args.loss_scale else [])])
+                               *(["--loss_scale"] if args.loss_scale else []),
+                               *(["--profile_dir", args.profile_dir] if args.profile_dir else [])])
     return bargs
 
 
