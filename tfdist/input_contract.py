@@ -131,7 +131,6 @@ def is_sharded(dataset):
     return b"ShardDataset" in graph_def
 
 
-
 def iterator_options(options, device):
     """The `tf.distribute.InputOptions` a rank's distributed dataset is built with.
 
