@@ -443,6 +443,24 @@ def test_cpu_ranks_read_batches_without_a_multi_device_iterator(job, tmp_path_fa
                 assert "MultiDeviceIteratorSpec" not in specs and "IteratorSpec" in specs, f"worker {w} {kind}: {specs}"
 
 
+@pytest.mark.parametrize("job", JOBS)
+def test_partial_batch_check_only_where_ranks_can_end_apart(job, tmp_path_factory):
+    # TF's partial-batch check is an allreduce before every step. Sharded by DATA (asked for, or
+    # AUTO on data that reads no files) every rank takes a part of each global batch and all end
+    # together, so tfdist leaves it out; FILE, OFF and AUTO on files keep it, as MWMS keeps it always
+    parts = scenario(job, "input", tmp_path_factory)
+    for case in INPUT_CASES:
+        source, policy = case.split("/")
+        for w, part in enumerate(parts):
+            if "error" in part[case]:
+                continue  # FILE on tensors: refused, as asserted above
+            found = part[case]["step_collectives"]
+            if job.startswith("mwms") or policy in ("FILE", "OFF") or (policy == "AUTO" and source == "files"):
+                assert found, f"worker {w} {case}: no partial-batch check in the step's input"
+            else:
+                assert not found, f"worker {w} {case}: a collective in the step's input: {found}"
+
+
 GLOBAL_BATCHES = [list(range(s, min(s + 16, TOTAL))) for s in range(0, TOTAL, 16)]
 BATCH_OPS = ("gather_axis0", "reduce_mean_axis0", "reduce_sum_axis0", "reduce_sum_none", "reduce_sum_rows")
 

@@ -127,6 +127,22 @@ def test_a_slow_step_on_one_rank_is_not_a_hang(tmp_path):
     assert "tfdist hang" not in job.text(), _job_failure(job, "a hang was reported")
 
 
+def test_global_batches_of_different_lengths_per_rank_end_the_job_named(tmp_path):
+    """Arrays of different lengths per rank under the global convention (a contract breach): with
+    no partial-batch check under DATA sharding, the long rank waits alone in a train step; the
+    detector names both ranks' collectives and ends the job instead of a silent hang."""
+    job = Job("uneven", tmp_path, HANG_ENV)
+    code, ended, killed = job.wait()
+    assert not killed, _job_failure(job, f"the job did not end by itself within {JOB_LIMIT_S} s")
+    assert code != 0, _job_failure(job, "exit code 0")
+    hangs = [text for _, _, text in job.tfdist_lines() if text.startswith("tfdist hang:")]
+    assert hangs, _job_failure(job, "no hang line")
+    print(f"\n{hangs[0]}")
+    assert "Every rank must run the same collectives in the same order" in hangs[0], hangs[0]
+    assert re.search(r"rank 1 \(host [^)]*\) in [^;]*train step 11", hangs[0]), hangs[0]
+    assert re.search(r"rank 0 \(host [^)]*\) in ", hangs[0]), hangs[0]
+
+
 # --- the rule, on recorded states -----------------------------------------------------------------
 
 class FakePeer:

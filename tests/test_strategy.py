@@ -216,3 +216,28 @@ def test_cpu_rank_reads_through_a_plain_iterator_with_the_same_batches(strategy,
     assert "MultiDeviceIteratorSpec" in iterator_kinds(strategy.experimental_distribute_dataset(dataset))
     with pytest.raises(NotImplementedError, match="PER_REPLICA"):  # as OneDeviceStrategy: datasets_from_function only
         strategy.experimental_distribute_dataset(dataset, tf.distribute.InputOptions(experimental_replication_mode=per_replica))
+
+
+def test_ranks_end_together_only_where_data_sharding_is_sure(tmp_path):
+    from tfdist.input_contract import ranks_end_together
+
+    policy = tf.data.experimental.AutoShardPolicy
+
+    def sharded_by(dataset, shard_policy):
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = shard_policy
+        return dataset.with_options(options)
+
+    (tmp_path / "lines.txt").write_text("1\n2\n3\n")
+    tensors = tf.data.Dataset.range(40).batch(16)
+    lines = tf.data.TextLineDataset(str(tmp_path / "lines.txt")).batch(2)
+    interleaved = tf.data.Dataset.from_tensor_slices([str(tmp_path / "lines.txt")]).interleave(
+        tf.data.TextLineDataset).batch(2)  # the reader inside a function of the graph
+    assert ranks_end_together(tensors)  # AUTO without files: DATA
+    assert ranks_end_together(sharded_by(tensors, policy.DATA))
+    assert ranks_end_together(sharded_by(lines, policy.DATA))
+    assert not ranks_end_together(lines)  # AUTO on files: FILE, whose shards may differ in length
+    assert not ranks_end_together(interleaved)
+    assert not ranks_end_together(sharded_by(tensors, policy.FILE))
+    assert not ranks_end_together(sharded_by(tensors, policy.OFF))
+    assert not ranks_end_together(tf.data.Dataset.range(40).shard(2, 0).batch(16))  # per-rank data

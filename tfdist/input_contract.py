@@ -131,6 +131,35 @@ def is_sharded(dataset):
     return b"ShardDataset" in graph_def
 
 
+# The file readers TF's auto-shard looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc):
+# under AUTO, a dataset without one is sharded by DATA.
+_FILE_READERS = (b"ArrayRecordDataset", b"FixedLengthRecordDataset", b"RecordIODataset", b"SSTableDataset",
+                 b"TextLineDataset", b"TFRecordDataset")
+
+
+def ranks_end_together(dataset):
+    """Whether every rank surely gets as many batches of `dataset` as every other.
+
+    Sharded by DATA after the split, each rank takes one part (perhaps empty) of every global
+    batch, so all ranks reach the end at the same step, and TensorFlow's partial-batch check (one
+    allreduce before every step, in case one rank's shard ended first) has nothing to find. DATA
+    applies where the dataset asks for it, or asks for AUTO and reads no files. A dataset that
+    calls `shard()` itself may differ in length per rank, and so may any dataset whose graph
+    cannot be read: those keep the check. The answer depends only on the dataset's graph and
+    options, which every rank builds alike, so every rank decides alike.
+    """
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if policy not in (tf.data.experimental.AutoShardPolicy.DATA, tf.data.experimental.AutoShardPolicy.AUTO):
+        return False
+    try:
+        graph_def = _compat.dataset_graph_def(dataset)
+    except Exception:  # noqa: BLE001 - unreadable (too large, an unknown kind): keep TF's check
+        return False
+    if b"ShardDataset" in graph_def:
+        return False
+    return policy == tf.data.experimental.AutoShardPolicy.DATA or not any(r in graph_def for r in _FILE_READERS)
+
+
 def iterator_options(options, device):
     """The `tf.distribute.InputOptions` a rank's distributed dataset is built with.
 

@@ -51,7 +51,8 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         # As MWMS: ranks step through a distributed dataset together, and a rank whose shard ended
         # early gets empty batches until every rank's has (TensorFlow's partial-batch handling,
         # one small allreduce per batch). Without it, uneven FILE shards left the ranks' loops
-        # apart by a step. Keras 3's fit asks for it itself (get_next_as_optional).
+        # apart by a step. Keras 3's fit asks for it itself (get_next_as_optional). A global-batch
+        # dataset whose ranks surely end together skips it (input_contract.ranks_end_together).
         self.experimental_enable_get_next_as_optional = collectives.size() > 1 and self.batch_convention == "global"
         self._variable_count = 0
         self._noted_unsharded = False
@@ -162,14 +163,20 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
                 "or set options.experimental_distribute.auto_shard_policy = OFF.",
                 collectives.rank(), size, size)
         options = self._iterator_options(options)
-        return _compat.input_util.get_distributed_dataset(
-            watched,
-            self._input_workers_with_options(options),
-            self._container_strategy(),
-            num_replicas_in_sync=size,
-            input_context=self._input_context(),
-            options=options,
-        )
+        # TF reads the partial-batch switch when it builds the dataset: off where ranks end together
+        check = self.experimental_enable_get_next_as_optional
+        self.experimental_enable_get_next_as_optional = check and not input_contract.ranks_end_together(dataset)
+        try:
+            return _compat.input_util.get_distributed_dataset(
+                watched,
+                self._input_workers_with_options(options),
+                self._container_strategy(),
+                num_replicas_in_sync=size,
+                input_context=self._input_context(),
+                options=options,
+            )
+        finally:
+            self.experimental_enable_get_next_as_optional = check
 
     def _check_first_dataset(self, dataset):
         # Only the first: later datasets may be chief-only (predict), and a check would then wait.

@@ -126,6 +126,7 @@ def launch(hosts, name, args, out_dir, job, timeline=None, profile_dir=None):
     argv += ["--keras", args.keras] + (["--loss_scale"] if args.loss_scale else [])
     argv += ["--shard_optimizer_state"] if sharded(name) else []
     argv += ["--profile_dir", profile_dir] if profile_dir else []
+    argv += ["--global_input"] if args.global_input else []
     procs = []
     try:
         for r in range(ranks):
@@ -272,6 +273,9 @@ def main(argv=None):
     parser.add_argument("--profile", nargs="+", default=[],
                         help="an extra run of each of these modes, 3 steps TF-profiled on rank 0 "
                              "(<out>-profile-<mode>; read with tfdist-profile)")
+    parser.add_argument("--global_input", action="store_true",
+                        help="tfdist and mwms fit a finite dataset batched by the global batch "
+                             "(experimental_distribute_dataset) instead of per-replica batches")
     parser.add_argument("--horovod_model_bucket_mb", type=float, default=1.0,
                         help="how the predictor models Horovod's per-tensor allreduces (fine buckets)")
     parser.add_argument("--run_timeout", type=float, default=420)

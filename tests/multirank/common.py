@@ -73,3 +73,13 @@ def iterator_kinds(distributed):
 
     walk(iter(distributed)._type_spec)
     return kinds
+
+
+def input_step_collectives(distributed):
+    """The collective ops a traced `next()` of an iterator over `distributed` holds: TensorFlow's
+    partial-batch check (does any rank still have data?) is one; traced only, never run."""
+    import tensorflow as tf
+
+    fetch = tf.function(lambda iterator: next(iterator))
+    graph = fetch.get_concrete_function(iter(distributed)).graph
+    return sorted({op.type for op in graph.get_operations() if "Horovod" in op.type or "Collective" in op.type})

@@ -38,7 +38,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import iterator_kinds, keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
+from common import input_step_collectives, iterator_kinds, keras_module, quiet_tensorflow, worker_parser, write_results  # noqa: E402
 
 quiet_tensorflow()
 
@@ -312,7 +312,8 @@ def input_pipelines(run):
             dataset = dataset.with_options(options)
             try:
                 dist = strategy.experimental_distribute_dataset(dataset)
-                results[f"{source}/{policy}"] = {"batches": [local(strategy, b)[0] for b in dist]}
+                results[f"{source}/{policy}"] = {"batches": [local(strategy, b)[0] for b in dist],
+                                                 "step_collectives": input_step_collectives(dist)}
             except Exception as e:  # noqa: BLE001 - compared across runners
                 results[f"{source}/{policy}"] = {"error": type(e).__name__, "message": str(e)[:300]}
 

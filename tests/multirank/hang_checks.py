@@ -10,6 +10,10 @@ Every rank trains a tiny model under `HorovodStrategy()` for one short epoch. Mo
   - slow: rank 1's train step 3 sleeps SLOW_SECONDS inside the step (a tf.py_function), while
     rank 0 waits for it in the same step's gradient allreduce: not a hang. Each rank writes
     rank<R>.json with the longest mark before that step.
+  - uneven: the ranks fit arrays of different lengths (rank 1 has two global batches more) under
+    the global-batch convention, against its contract. Sharded by DATA, no partial-batch check
+    pads the short rank, so rank 1 waits alone in a step's allreduce while rank 0 has gone on to
+    the epoch's end: the detector must name both and end the job.
 """
 
 import json
@@ -67,7 +71,7 @@ class BeforeSlowStep(keras.callbacks.Callback):
 
 def main():
     parser = worker_parser()
-    parser.add_argument("--mode", choices=("hang", "slow"), required=True)
+    parser.add_argument("--mode", choices=("hang", "slow", "uneven"), required=True)
     args = parser.parse_args()
     strategy = tfdist.HorovodStrategy(tuning=False)
     rank = strategy.rank
@@ -77,10 +81,14 @@ def main():
             layers.insert(1, sleeper(rank))
         model = keras.Sequential(layers)
         model.compile(optimizer="sgd", loss="mse")
-    x = np.ones((8 * STEPS, 4), "float32")
+    x = np.ones((8 * (STEPS + (4 if args.mode == "uneven" and rank == 1 else 0)), 4), "float32")
     y = x[:, :1].copy()
     before = BeforeSlowStep()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[before])
+    if args.mode == "uneven":
+        model.evaluate(x, y, batch_size=8, verbose=0)  # a collective at its end: where rank 0 waits
+        write_results(args.out, rank, {"finished": True})  # never reached on both ranks
+        return
     if args.mode == "slow":
         write_results(args.out, rank, {"finished": True, "longest_before_slow_step": before.longest,
                                        "slow_seconds": SLOW_SECONDS})

@@ -30,7 +30,8 @@ import time
 from tfdist.benchmark import argtypes
 from tfdist.tuning import startup
 from tfdist.benchmark import transformers
-from tfdist.benchmark.models import MODELS, build_model, model_name, synthetic_input, synthetic_only
+from tfdist.benchmark.inputs import distributed_input, input_dataset
+from tfdist.benchmark.models import MODELS, build_model, model_name, synthetic_only
 from tfdist.benchmark.modes import mwms_tf_config, start
 from tfdist.benchmark.timing import StepTimer, accuracy_summary, report
 
@@ -91,24 +92,10 @@ PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
                     help="Horovod's background cycle (tfdist, horovod)")
 PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
                     "summarise with tfdist-profile. Those steps run slower: compare profiles, not speeds")
+PARSER.add_argument("--global_input", action="store_true",
+                    help="strategies: fit a finite dataset batched by the global batch (experimental_distribute_dataset, "
+                         "split as MWMS splits it) instead of per-replica batches (distribute_datasets_from_function)")
 PARSER.add_argument("--json", help="write the result (every step time) here (rank 0)")
-
-
-def input_dataset(args, input_context=None, training=True):
-    from tfdist.pipelines import preprocessing, read_dataset
-
-    synthetic = synthetic_input(args.model, args.batch_size, args.seq_len)
-    if synthetic:
-        return (*synthetic, None)
-    if not args.data_dir:
-        ds = preprocessing.synthetic_dataset(args.batch_size, image_size=args.image_size,
-                                             num_classes=args.num_classes)
-        return ds, "synthetic (one batch made once, no I/O)", None
-    mapper = preprocessing.example_mapper(training=training, image_size=args.image_size)
-    source = args.data_dir if training else args.eval_dir
-    ds, plan = read_dataset(source, args.batch_size, input_context=input_context, training=training,
-                            augment_fn=mapper)
-    return ds, f"{source} ({plan.records} records/rank, mode={plan.mode})", plan
 
 
 def run_keras_fit(args, keras, strategy, rank, horovod=None):
@@ -184,19 +171,6 @@ def make_optimizer(keras, args, learning_rate):
     if args.optimizer == "adamw":
         return keras.optimizers.AdamW(learning_rate, weight_decay=0.01)
     return keras.optimizers.SGD(learning_rate, momentum=0.9)
-
-
-def distributed_input(args, strategy, training):
-    if strategy is None:
-        return input_dataset(args, training=training)
-    found = []
-
-    def dataset_fn(ctx):
-        found.append(input_dataset(args, ctx, training=training))
-        return found[-1][0]
-
-    ds = strategy.distribute_datasets_from_function(dataset_fn)
-    return ds, found[0][1], found[0][2]
 
 
 def run_horovod_loop(args, keras):

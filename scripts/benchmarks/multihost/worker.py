@@ -41,6 +41,8 @@ PARSER.add_argument("--keras", choices=["tf_keras", "keras3"], default="tf_keras
 PARSER.add_argument("--loss_scale", action="store_true", help="wrap the optimizer in Keras' LossScaleOptimizer")
 PARSER.add_argument("--shard_optimizer_state", action="store_true", help="HorovodStrategy(shard_optimizer_state=True)")
 PARSER.add_argument("--profile_dir", default=None, help="TF-profile 3 steps after the warm-up on rank 0")
+PARSER.add_argument("--global_input", action="store_true",
+                    help="strategies: a finite dataset batched by the global batch, split by the strategy")
 PARSER.add_argument("--out", required=True)
 
 
@@ -52,7 +54,8 @@ def benchmark_args(args):
                                str(args.image_size), "--num_classes", str(args.num_classes),
                                "--num_warmup_batches", str(args.warmup), "--num_batches", str(args.steps),
                                *(["--loss_scale"] if args.loss_scale else []),
-                               *(["--profile_dir", args.profile_dir] if args.profile_dir else [])])
+                               *(["--profile_dir", args.profile_dir] if args.profile_dir else []),
+                               *(["--global_input"] if args.global_input else [])])
     return bargs
 
 
