@@ -141,6 +141,7 @@ def test_global_batches_of_different_lengths_per_rank_end_the_job_named(tmp_path
     assert "Every rank must run the same collectives in the same order" in hangs[0], hangs[0]
     assert re.search(r"rank 1 \(host [^)]*\) in [^;]*train step 11", hangs[0]), hangs[0]
     assert re.search(r"rank 0 \(host [^)]*\) in ", hangs[0]), hangs[0]
+    assert "if their data ran out first" in hangs[0] and "batch_convention='per_rank'" in hangs[0], hangs[0]
 
 
 # --- the rule, on recorded states -----------------------------------------------------------------

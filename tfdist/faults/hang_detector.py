@@ -50,6 +50,8 @@ SHOWN_RANKS = 8  # ranks listed by number in one group of the line; more are cou
 FIX = ("Every rank must run the same collectives in the same order: code that runs on some ranks only "
        "(`if strategy.is_chief:`) must not call one (tfdist.collectives, fit, evaluate, or creating a "
        "variable in strategy.scope())")
+DATA_HINT = ("Some ranks are in a train step the others did not start: if their data ran out first, give every "
+             "rank the same global-batch dataset, or per-rank data with HorovodStrategy(batch_convention='per_rank')")
 
 _reports = {}  # rank -> (rank 0's time.monotonic() when received, that rank's snapshot)
 _active = None
@@ -177,8 +179,10 @@ class _Detector:
                     f"({TIMEOUT_ENV}={self.timeout:g}).")
         else:
             then = f"Ending the job in {self.ends_at - now:.0f} s ({TIMEOUT_ENV}={self.timeout:g})."
+        in_step = {str(s[1]).startswith("train step") for s in states.values()}
+        hint = f" {DATA_HINT}." if in_step == {True, False} else ""
         return (f"tfdist hang: ranks wait in different collectives for {waited:.0f} s (warn bound {bound:.0f} s: "
-                f"{why}): {'; '.join(parts)}. {FIX}. {then}")
+                f"{why}): {'; '.join(parts)}. {FIX}.{hint} {then}")
 
 
 def _group(what, last, last_step, members):
