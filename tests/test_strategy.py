@@ -68,6 +68,7 @@ def test_signature_round_trip():
 def test_shard_detection():
     assert is_sharded(tf.data.Dataset.range(8).shard(2, 0).batch(2))
     assert not is_sharded(tf.data.Dataset.range(8).batch(2))
+    assert is_sharded(tf.data.Dataset.range(8).batch(2), graph=None)  # an unreadable graph: the cautious answer
 
 
 def test_global_batch_that_cannot_be_split_is_named_and_uneven_one_warned():
@@ -241,3 +242,4 @@ def test_ranks_end_together_only_where_data_sharding_is_sure(tmp_path):
     assert not ranks_end_together(sharded_by(tensors, policy.FILE))
     assert not ranks_end_together(sharded_by(tensors, policy.OFF))
     assert not ranks_end_together(tf.data.Dataset.range(40).shard(2, 0).batch(16))  # per-rank data
+    assert not ranks_end_together(tensors, graph=None)  # an unreadable graph keeps TF's check

@@ -122,13 +122,24 @@ def is_per_rank(dataset):
     return consistency.find_dataset_attribute(dataset, "tfdist_per_rank") is not None
 
 
-def is_sharded(dataset):
-    """Whether a shard() appears anywhere in the dataset's graph (best effort)."""
+_UNREAD = object()  # a `graph` argument not given: read it here
+
+
+def dataset_graph(dataset):
+    """The dataset's serialized graph (bytes), or None where it cannot be read (too large, an unknown kind)."""
     try:
-        graph_def = _compat.dataset_graph_def(dataset)
-    except Exception:  # noqa: BLE001 - an unknown dataset type: do not warn
-        return True
-    return b"ShardDataset" in graph_def
+        return _compat.dataset_graph_def(dataset)
+    except Exception:  # noqa: BLE001 - callers treat an unreadable graph as the cautious case
+        return None
+
+
+def is_sharded(dataset, graph=_UNREAD):
+    """Whether a shard() appears anywhere in the dataset's graph (best effort: an unreadable graph counts).
+
+    `graph` is `dataset_graph(dataset)` where the caller has read it already.
+    """
+    graph = dataset_graph(dataset) if graph is _UNREAD else graph
+    return graph is None or b"ShardDataset" in graph
 
 
 # The file readers TF's auto-shard looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc):
@@ -137,7 +148,7 @@ _FILE_READERS = (b"ArrayRecordDataset", b"FixedLengthRecordDataset", b"RecordIOD
                  b"TextLineDataset", b"TFRecordDataset")
 
 
-def ranks_end_together(dataset):
+def ranks_end_together(dataset, graph=_UNREAD):
     """Whether every rank surely gets as many batches of `dataset` as every other.
 
     Sharded by DATA after the split, each rank takes one part (perhaps empty) of every global
@@ -146,18 +157,16 @@ def ranks_end_together(dataset):
     applies where the dataset asks for it, or asks for AUTO and reads no files. A dataset that
     calls `shard()` itself may differ in length per rank, and so may any dataset whose graph
     cannot be read: those keep the check. The answer depends only on the dataset's graph and
-    options, which every rank builds alike, so every rank decides alike.
+    options, which every rank builds alike, so every rank decides alike. `graph` is
+    `dataset_graph(dataset)` where the caller has read it already.
     """
     policy = dataset.options().experimental_distribute.auto_shard_policy
     if policy not in (tf.data.experimental.AutoShardPolicy.DATA, tf.data.experimental.AutoShardPolicy.AUTO):
         return False
-    try:
-        graph_def = _compat.dataset_graph_def(dataset)
-    except Exception:  # noqa: BLE001 - unreadable (too large, an unknown kind): keep TF's check
+    graph = dataset_graph(dataset) if graph is _UNREAD else graph
+    if is_sharded(dataset, graph):
         return False
-    if b"ShardDataset" in graph_def:
-        return False
-    return policy == tf.data.experimental.AutoShardPolicy.DATA or not any(r in graph_def for r in _FILE_READERS)
+    return policy == tf.data.experimental.AutoShardPolicy.DATA or not any(r in graph for r in _FILE_READERS)
 
 
 def iterator_options(options, device):

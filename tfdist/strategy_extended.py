@@ -153,8 +153,9 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         # first batch where the size is known only at run time, as in Keras' array datasets).
         watched = input_contract.warn_uneven_global_batch(dataset, size, self._noted_uneven)
         policy = dataset.options().experimental_distribute.auto_shard_policy
+        graph = input_contract.dataset_graph(dataset)  # read once: both checks below look into it
         if (not self._noted_presharded and collectives.rank() == 0 and policy != tf.data.experimental.AutoShardPolicy.OFF
-                and input_contract.is_sharded(dataset)):
+                and input_contract.is_sharded(dataset, graph)):
             self._noted_presharded = True
             log.warning(
                 "tfdist: rank %d: this dataset already calls shard() and is auto-sharded again "
@@ -165,7 +166,7 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         options = self._iterator_options(options)
         # TF reads the partial-batch switch when it builds the dataset: off where ranks end together
         check = self.experimental_enable_get_next_as_optional
-        self.experimental_enable_get_next_as_optional = check and not input_contract.ranks_end_together(dataset)
+        self.experimental_enable_get_next_as_optional = check and not input_contract.ranks_end_together(dataset, graph)
         try:
             return _compat.input_util.get_distributed_dataset(
                 watched,
