@@ -66,10 +66,38 @@ def test_every_model_and_option_trains_as_one_process(launch):
 @pytest.mark.multirank
 def test_sparse_gradients_send_repeated_rows_merged_only_where_the_optimizer_merges_them(launch):
     # Rank r sends rows 1, 1, 2, 2, 2, 3 + r of value r + 1. tf-keras' optimizers sum repeated rows
-    # before updating, so tf-keras' gradient sum sends them merged (3 rows a rank); Keras 3's square
-    # each looked-up row apart (Adam, Adagrad), so every entry travels. The dense sum is the same.
+    # before updating, so tf-keras' gradient sum sends them merged (3 rows a rank, padded to 4, the
+    # power of two the merged count keeps its shape at); Keras 3's square each looked-up row apart
+    # (Adam, Adagrad), so every entry travels. The dense sum is the same.
     _, _, ranks, _, flavour = launch
     sent = ranks[0]["repeated_rows"]
     assert sent == ranks[1]["repeated_rows"]
-    assert sent["entries"] == (6 if flavour == "tf_keras" else 12), sent
+    assert sent["entries"] == (8 if flavour == "tf_keras" else 12), sent
     assert sent["dense"] == [[0, 0], [6, 6], [9, 9], [1, 1], [2, 2]], sent
+
+
+def test_merged_rows_keep_one_shape_per_power_of_two_and_their_sum():
+    """Horovod's response cache renegotiates a tensor whose shape changed; merged rows vary per
+    batch, so they travel padded (zero rows at an index already there) to the next power of two,
+    never beyond the unmerged count: the dense value and the set of rows touched stay."""
+    import tensorflow as tf
+
+    from tfdist.exchange.gradients import merge_repeated_rows
+
+    def merged(ids):
+        ids = tf.constant(ids, tf.int32)
+        rows = tf.cast(tf.stack([ids, 10 * ids], 1), tf.float32) + 1
+        value = tf.IndexedSlices(rows, ids, tf.constant([16, 2]))
+        out = merge_repeated_rows(value)
+        assert np.array_equal(tf.convert_to_tensor(out).numpy(), tf.convert_to_tensor(value).numpy())
+        assert set(out.indices.numpy()) == set(ids.numpy())
+        return out.values.shape[0]
+
+    # 5, 6 and 7 distinct rows of 9 lookups all travel as 8; 3 distinct as 4; 9 distinct (all) as 9
+    assert [merged([1, 2, 3, 4, 5, 1, 2, 3, 4]), merged([1, 2, 3, 4, 5, 6, 1, 2, 3]),
+            merged([1, 2, 3, 4, 5, 6, 7, 1, 2])] == [8, 8, 8]
+    assert merged([1, 1, 2, 2, 3, 3, 1, 2, 3]) == 4 and merged(list(range(9))) == 9
+    assert merged([]) == 0 and merged([7, 7, 7]) == 1
+    traced = tf.function(merge_repeated_rows)(tf.IndexedSlices(tf.ones([6, 2]), tf.constant([3, 3, 5, 1, 1, 7]),
+                                                                tf.constant([10, 2])))
+    assert traced.values.shape[0] == 4 and sorted(traced.indices.numpy()) == [1, 3, 5, 7]
