@@ -242,6 +242,11 @@ def test_two_tower_has_its_tables_sparse_gradients_and_skewed_ids():
     assert users.shape == items.shape == labels.shape == (256, 1)
     assert len(np.unique(users)) < 0.8 * 256 <= len(np.unique(items))  # popular users repeat within a batch
     assert set(np.unique(labels)) == {0, 1} and 0 <= int(tf.reduce_min(users)) and int(tf.reduce_max(items)) < rows
+    # batches differ as real traffic's (so does a table gradient's count of distinct rows), cycling after BATCHES
+    batches = list(models.synthetic_input("two_tower", 256, 0)[0].take(recommenders.BATCHES + 1))
+    assert len({len(np.unique(b[0][0])) for b in batches}) > 1
+    assert all(np.array_equal(a, b) for a, b in zip(tf.nest.flatten(batches[0]), tf.nest.flatten(batches[-1])))
+    assert not np.array_equal(batches[0][0][1], batches[1][0][1])
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(keras_module().losses.sparse_categorical_crossentropy(labels, model([users, items])))
     grads = tape.gradient(loss, model.trainable_variables)
@@ -335,6 +340,15 @@ def test_multihost_worker_trains_its_steps_on_each_rank(tmp_path):
         assert horovods["rank"] == rank and len(horovods["step_seconds"]) == 3, horovods
     alone = json.loads((tmp_path / "none" / "rank0.json").read_text())
     assert alone["gradient_bytes"] == (8 * 8 * 3 * 4 + 4) * 4 and len(alone["step_seconds"]) == 3
+    assert alone["sparse_gradient_bytes"] == 0
+    # Each table's gradient counts as the batch's 8 rows of 64 floats and their int32 indices, not 200_000 rows
+    script("benchmarks/multihost/worker.py", ["--mode", "none", "--model", "two_tower", "--batch_size", "8",
+                                              "--warmup", "0", "--steps", "1", "--keras", "keras3",
+                                              "--out", tmp_path / "two_tower"])
+    tables = json.loads((tmp_path / "two_tower" / "rank0.json").read_text())
+    towers = 2 * (64 * 64 + 64) + 64 * 2 + 2
+    assert tables["sparse_gradient_bytes"] == 2 * 8 * (64 * 4 + 4), tables
+    assert tables["gradient_bytes"] == towers * 4 + tables["sparse_gradient_bytes"], tables
 
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) % 2 == 1, reason="needs an even number of cores")

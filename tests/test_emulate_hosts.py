@@ -227,9 +227,37 @@ def test_benchmark_mode_names_parse_into_schedule_cycle_and_compression():
     assert parse("ready~1+powersgd:4", 25) == ("tfdist", "ready", 1.0, "powersgd:4")
     assert parse("one-collective+topk:0.001", 25) == ("tfdist", 0.0, None, "topk:0.001")
     assert parse("horovod@1", 25) == ("horovod", 0.0, None, None)
+    assert parse("none@each", 25) == ("none", 0.0, None, None) and multihost_benchmark.apart("none@each")
+    assert not multihost_benchmark.apart("none") and not multihost_benchmark.apart("horovod@1")
     assert parse("HOROVOD_CYCLE_ON_ENQUEUE=0 ready~10", 25) == ("tfdist", "ready", 10.0, None)
     assert multihost_benchmark.mode_env("A=1 B=x=y ready") == ({"A": "1", "B": "x=y"}, "ready")
     assert multihost_benchmark.sharded("HOROVOD_CYCLE_ON_ENQUEUE=0 ready/sharded")
-    for bad in ("horovod+powersgd", "ready:4", "buckets", "A ready"):
+    for bad in ("horovod+powersgd", "ready:4", "buckets", "A ready", "ready@each", "none@2"):
         with pytest.raises(SystemExit, match="--modes"):
             parse(bad, 25)
+
+
+def test_benchmark_summary_sets_each_mode_against_every_hosts_baseline_at_once():
+    """none@each (every host's 1-rank baseline at once, no exchange) shows what the emulated hosts'
+    sharing of one machine costs: each mode's step beyond it is the exchange's own cost."""
+    import argparse
+
+    import multihost_benchmark
+
+    def run(step_ms, gradient_bytes=None, ranks=1):
+        rank = {"step_seconds": [1.0] + [ms / 1e3 for ms in step_ms], "warmup_steps_excluded": 1,
+                "gradient_bytes": gradient_bytes}
+        return {"ranks": {str(r): rank for r in range(ranks)}}
+
+    runs = {"none": [run([30, 31, 29], 4096)], "none@each": [run([40, 41, 39], ranks=2)],
+            "ready": [run([45, 46, 44], ranks=2)]}
+    args = argparse.Namespace(bucket_mb=25, horovod_model_bucket_mb=1.0, rate_gbit=10.0)
+    summary = multihost_benchmark.summarize(runs, args, {"goodput_gbit": 8.0, "rtt_ms": 0.1})
+    rows = {r["mode"]: r for r in summary["rows"]}
+    assert summary["baseline_ms"] == pytest.approx(30) and summary["apart_ms"] == pytest.approx(40)
+    assert rows["ready"]["exposed_ms"] == pytest.approx(15) and rows["ready"]["beyond_apart_ms"] == pytest.approx(5)
+    assert "exposed_ms" not in rows["none@each"] and "beyond_apart_ms" not in rows["none@each"]
+    meta = {"model": "m", "batch_size": 8, "hosts": 2, "link": "10 Gbit/s"}
+    assert "- ready: 5.0 ms a step beyond none@each" in multihost_benchmark.markdown(summary, meta)
+    # a sparse gradient's rows are gathered: at N ranks as an allreduce of N/2 times their bytes
+    assert [multihost_benchmark.allreduce_equivalent(100, 40, n) for n in (2, 4)] == [100, 140]

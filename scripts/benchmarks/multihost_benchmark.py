@@ -14,7 +14,10 @@ gradient as it exists), bucketed (HorovodStrategy(bucket_mb=--bucket_mb)), bucke
 size), one-collective (bucket_mb=0), each optionally with ~<ms> (Horovod's cycle) and +<method>
 (compression: +powersgd:4, +topk:0.001, +fp16, +bf16), e.g. ready~1+powersgd:4, and /sharded
 (shard_optimizer_state=True, last: ready+fp16/sharded); horovod (its loop with
-DistributedGradientTape), horovod_fit (its DistributedOptimizer with model.fit), mwms.
+DistributedGradientTape), horovod_fit (its DistributedOptimizer with model.fit), mwms;
+none@each runs the 1-rank baseline in every host at once, without any exchange: what the emulated
+hosts' sharing of one machine (its memory bandwidth and caches) costs a step by itself (as
+ranks_per_node.py's `apart`).
 A mode may start with environment settings for its ranks ("HOROVOD_CYCLE_ON_ENQUEUE=0 ready").
 --keras keras3 runs the Keras modes on Keras 3, --loss_scale wraps their optimizer in
 LossScaleOptimizer. --delay_ms adds a one-way delay to the link (netem, or on kernels without it
@@ -22,7 +25,9 @@ tests/delay_line.py); the measured round trip is in the output.
 
 Per mode: median step (warm-up excluded, every step of rank 0 of every run pooled), exposed
 communication = step - step of the 1-rank baseline, efficiency = baseline / step, and
-`tfdist-predict`'s step for the same inputs (baseline step, gradient bytes, link) with its error.
+`tfdist-predict`'s step for the same inputs (baseline step, gradient bytes, link) with its error
+(a sparse gradient counts as the rows it sends, gathered: see allreduce_equivalent());
+with none@each, each mode's step beyond it (the exchange's own cost on hosts that share a machine).
 Writes <out>.json (every step of every rank of every run, the link as measured, the command,
 `lscpu`'s model) and <out>.md (the table); with --timeline, a Horovod timeline of one extra run of
 that mode and its overlap evidence (scripts/benchmarks/multihost/timeline_overlap.py).
@@ -69,10 +74,14 @@ def parse_mode(name, bucket_mb):
     'bucketed' -> ('tfdist', bucket_mb, None, None); 'bucketed:4' -> 4 MB buckets; 'one-collective'
     -> bucket 0; 'ready' -> each gradient as it exists (bucket 'ready'); a suffix '~2' sets
     Horovod's cycle to 2 ms ('ready~2'), '+powersgd:4' / '+topk:0.01' / '+fp16' / '+bf16' a compression
-    ('ready+powersgd:4'). A suffix '@1' ('horovod@1') runs that mode as a 1-rank job in host 0.
+    ('ready+powersgd:4'). A suffix '@1' ('horovod@1') runs that mode as a 1-rank job in host 0;
+    'none@each' runs the 1-rank baseline in every host at once (see apart()).
     '/sharded' after a tfdist mode ('ready/sharded') adds shard_optimizer_state=True (see sharded()).
     """
-    body = mode_env(name)[1].split("@")[0].removesuffix("/sharded")
+    body, _, where = mode_env(name)[1].partition("@")
+    if where not in ("", "1", "each") or (where == "each" and body != "none"):
+        raise SystemExit(f"--modes {name!r}: '@1' runs a mode as one rank, 'none@each' the baseline in every host")
+    body = body.removesuffix("/sharded")
     body, _, compression = body.partition("+")
     body, _, cycle = body.partition("~")
     base, _, size = body.partition(":")
@@ -87,6 +96,11 @@ def parse_mode(name, bucket_mb):
         return base, 0.0, None, None
     raise SystemExit(f"--modes {name!r}: expected bucketed[:MB], one-collective or ready (each with an "
                      "optional ~<cycle ms>, +<compression> and /sharded), horovod, horovod_fit or mwms")
+
+
+def apart(name):
+    """Whether mode `name` is 'none@each': every host's 1-rank baseline at once, no exchange."""
+    return mode_env(name)[1] == "none@each"
 
 
 def sharded(name):
@@ -114,7 +128,7 @@ def rank_env(hosts, mode, rank, job):
 def launch(hosts, name, args, out_dir, job, timeline=None, profile_dir=None):
     """Run mode `name` (one rank per host, or the 1-rank baseline in host 0); {rank: result}."""
     mode, bucket, cycle, compression = parse_mode(name, args.bucket_mb)
-    single = mode == "none" or name.endswith("@1")
+    single = (mode == "none" and not apart(name)) or name.endswith("@1")
     ranks = 1 if single else len(hosts.names)
     os.makedirs(out_dir, exist_ok=True)
     argv = [sys.executable, WORKER, "--mode", mode, "--bucket_mb", bucket, "--model", args.model,
@@ -173,15 +187,18 @@ def summarize(runs, args, link):
     ok = {name: [r for r in rs if "ranks" in r] for name, rs in runs.items()}
     steps = {name: [t for r in rs for t in timed_ms(r["ranks"]["0"])] for name, rs in ok.items() if rs}
     base = statistics.median(steps["none"]) if "none" in steps else None
-    grad = next((r["ranks"]["0"]["gradient_bytes"] for rs in ok.values() for r in rs
-                 if r["ranks"]["0"]["gradient_bytes"]), None)
+    shared = next((statistics.median(steps[n]) for n in steps if apart(n)), None)
+    alone = next((r["ranks"]["0"] for rs in ok.values() for r in rs if r["ranks"]["0"]["gradient_bytes"]), {})
+    grad, sparse = alone.get("gradient_bytes"), alone.get("sparse_gradient_bytes") or 0
     rows = []
     for name in [m for m in runs if m in steps]:
         step = statistics.median(steps[name])
         row = {"mode": name, "runs": len(ok[name]), "failed": len(runs[name]) - len(ok[name]),
                "run_medians_ms": [round(statistics.median(timed_ms(r["ranks"]["0"])), 1) for r in ok[name]],
                "steps": len(steps[name]), "step_ms": step}
-        if base and name != "none" and not name.endswith("@1"):
+        if shared and name != "none" and "@" not in name:
+            row["beyond_apart_ms"] = step - shared
+        if base and name != "none" and "@" not in name:
             mode, bucket, _, compression = parse_mode(name, args.bucket_mb)
             bucket = args.horovod_model_bucket_mb if bucket == "ready" else bucket
             row.update(exposed_ms=step - base, efficiency=base / step)
@@ -192,14 +209,22 @@ def summarize(runs, args, link):
                     continue
                 model = predict.sharded_step_time if sharded(name) else predict.step_time
                 ranks = len(ok[name][0]["ranks"])  # compression: its wire bytes (one flat tensor) and flops
-                rank = predict.compressed(predict.Rank(base / 1e3, grad), None, compression or "none", ranks, 20.0)[0]
+                wire = allreduce_equivalent(grad, sparse, ranks)
+                rank = predict.compressed(predict.Rank(base / 1e3, wire), None, compression or "none", ranks, 20.0)[0]
                 p_step, _, p_comm = model(rank, predict.Link(gbit, link["rtt_ms"] / 2 * 1e3), ranks, 1,
                                           modelled * (1 << 20))
                 row[f"predicted_ms_{label}_link"] = p_step * 1e3
                 row[f"predicted_error_{label}_link"] = p_step * 1e3 / step - 1
                 row[f"predicted_comm_ms_{label}_link"] = p_comm * 1e3
         rows.append(row)
-    return {"baseline_ms": base, "gradient_bytes": grad, "rows": rows, "comparisons": comparisons(rows, args)}
+    return {"baseline_ms": base, "apart_ms": shared, "gradient_bytes": grad, "rows": rows,
+            "comparisons": comparisons(rows, args)}
+
+
+def allreduce_equivalent(gradient_bytes, sparse_bytes, ranks):
+    """The bytes an allreduce would move as this exchange does: a sparse gradient's rows are gathered,
+    each rank's m bytes reaching N - 1 others, as a ring allreduce of N m / 2 bytes moves them."""
+    return gradient_bytes + sparse_bytes * (ranks / 2 - 1)
 
 
 def comparisons(rows, args):
@@ -220,8 +245,10 @@ def comparisons(rows, args):
 
 def markdown(summary, meta):
     lines = [f"{meta['model']}, batch {meta['batch_size']}/rank, {meta['hosts']} hosts, link {meta['link']}; "
-             f"baseline (1 rank, 1 core) {fmt(summary['baseline_ms'])} ms, gradients "
-             f"{(summary['gradient_bytes'] or 0) / 1e6:.1f} MB", "",
+             f"baseline (1 rank, 1 core) {fmt(summary['baseline_ms'])} ms"
+             + (f", every host's baseline at once (none@each) {fmt(summary['apart_ms'])} ms"
+                if summary.get("apart_ms") else "")
+             + f", gradients {(summary['gradient_bytes'] or 0) / 1e6:.1f} MB", "",
              "| mode | runs: median step ms | median step ms | exposed comm ms | efficiency | "
              "predicted ms (error), set rate | predicted ms (error), measured rate |",
              "|---|---|---|---|---|---|---|"]
@@ -233,6 +260,9 @@ def markdown(summary, meta):
         lines.append(f"| {r['mode']} | {runs} | {fmt(r['step_ms'])} | {fmt(r.get('exposed_ms'))} | {eff} | "
                      f"{pred[0]} | {pred[1]} |")
     lines += [""] + [f"- {k}: {v:.2f}" + ("x" if "speed" in k else "") for k, v in summary["comparisons"].items()]
+    lines += [f"- {r['mode']}: {r['beyond_apart_ms']:.1f} ms a step beyond none@each (every host's baseline at "
+              "once: the hosts' sharing of this machine without any exchange)" for r in summary["rows"]
+              if "beyond_apart_ms" in r]
     for name, found in meta.get("timelines", {}).items():
         text = timeline_overlap.describe(found["overlap"]) if "overlap" in found else "FAILED: " + found["failed"][-300:]
         lines += ["", f"Horovod timeline of one extra {name} run: " + text.replace("\n", " ")]

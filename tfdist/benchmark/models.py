@@ -53,7 +53,7 @@ def synthetic_input(name, batch_size, seq_len):
                 "synthetic tokens (one batch made once, no I/O)")
     if recommenders.is_id_model(name):
         return (recommenders.synthetic_ids(batch_size, recommenders.CONFIGS[name]["rows"]),
-                "synthetic ids (one batch made once, no I/O)")
+                f"synthetic ids ({recommenders.BATCHES} batches made once, cycled, no I/O)")
     return None
 
 

@@ -10,11 +10,14 @@
   table's gradient is a `tf.IndexedSlices` of the batch's rows, beside the towers' dense kernels.
 
 The synthetic ids follow real traffic's skew: half the users of a batch come from 64 popular ids
-(rows repeat within a batch), the items are uniform over the table.
+(rows repeat within a batch), the items are uniform over the table. As in real traffic, batches
+differ, and so does the count of distinct rows a table's gradient holds: the dataset cycles through
+BATCHES batches made once.
 """
 
 CONFIGS = {"two_tower": {"rows": 200_000, "width": 64}}
 POPULAR_USERS = 64
+BATCHES = 64
 
 
 def is_id_model(name):
@@ -39,14 +42,15 @@ def build(keras, name):
 
 
 def synthetic_ids(batch_size, rows, seed=0):
-    """An infinite dataset repeating one random batch of ((user ids, item ids), click labels), int32."""
+    """An infinite dataset cycling through BATCHES random batches of ((user ids, item ids), click labels), int32."""
     import tensorflow as tf
 
     generator = tf.random.Generator.from_seed(seed)
     popular = generator.uniform((POPULAR_USERS,), 0, rows, dtype=tf.int32)
-    any_user = generator.uniform((batch_size, 1), 0, rows, dtype=tf.int32)
-    popular_user = tf.gather(popular, generator.uniform((batch_size, 1), 0, POPULAR_USERS, dtype=tf.int32))
-    users = tf.where(tf.range(batch_size)[:, None] % 2 == 0, popular_user, any_user)
-    items = generator.uniform((batch_size, 1), 0, rows, dtype=tf.int32)
-    labels = generator.uniform((batch_size, 1), 0, 2, dtype=tf.int32)
-    return tf.data.Dataset.from_tensors(((users, items), labels)).repeat()
+    shape = (BATCHES, batch_size, 1)
+    any_user = generator.uniform(shape, 0, rows, dtype=tf.int32)
+    popular_user = tf.gather(popular, generator.uniform(shape, 0, POPULAR_USERS, dtype=tf.int32))
+    users = tf.where(tf.range(batch_size)[None, :, None] % 2 == 0, popular_user, any_user)
+    items = generator.uniform(shape, 0, rows, dtype=tf.int32)
+    labels = generator.uniform(shape, 0, 2, dtype=tf.int32)
+    return tf.data.Dataset.from_tensor_slices(((users, items), labels)).repeat()

@@ -13,9 +13,10 @@ Modes, all on tf-keras (or Keras 3 with --keras keras3) and the same model:
   horovod_fit  Horovod's Keras path, started the same way: model.fit with
            hvd.DistributedOptimizer and its BroadcastGlobalVariablesCallback (horovod.tensorflow.keras)
   mwms     tf.distribute.MultiWorkerMirroredStrategy + model.fit, workers from TF_CONFIG
-  none     one process, plain model.fit (the 1-rank baseline)
-Writes `rank<R>.json` in --out: every step time (warm-up included, and marked), gradient bytes,
-the threads and cpus TensorFlow reports, and how the rank was launched.
+  none     one process, plain model.fit (the 1-rank baseline; under none@each one per host, R from SLURM_PROCID)
+Writes `rank<R>.json` in --out: every step time (warm-up included, and marked), gradient bytes (a
+sparse gradient as the rows it sends), the threads and cpus TensorFlow reports, and how the rank was
+launched.
 """
 
 import argparse
@@ -101,9 +102,11 @@ def main():
     else:
         timer, _, _ = bench.run_keras_fit(bargs, keras, strategy, rank)
     effect = tuning.in_effect()
+    gradients = dict(zip(("gradient_bytes", "sparse_gradient_bytes"),
+                         gradient_bytes(keras, bargs, args.keras == "tf_keras") if args.mode == "none" else (None, None)))
     result = {"mode": args.mode, "bucket_mb": args.bucket_mb, "rank": rank, "argv": sys.argv,
               "launched": launched, "step_seconds": timer.times, "warmup_steps_excluded": args.warmup,
-              "gradient_bytes": gradient_bytes(keras, args) if args.mode == "none" else None, "started": start,
+              **gradients, "started": start,
               "in_effect": {**effect, "cpus": list(effect["cpus"])},
               "affinity": sorted(os.sched_getaffinity(0)), "tf": tf.__version__,
               "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME", "Horovod's default (1)"),
@@ -124,17 +127,32 @@ def rank_of(mode, strategy):
         return hvd.rank()
     if mode == "mwms":
         return strategy.cluster_resolver.task_id or 0
-    return 0
+    return int(os.environ.get("SLURM_PROCID", 0))  # none@each: one copy in every host, each its own file
 
 
-def gradient_bytes(keras, args):
-    from tfdist.benchmark.models import build_model
-
-    model = build_model(keras, args.model, args.image_size, args.num_classes)
+def gradient_bytes(keras, bargs, legacy):
+    """(all, sparse): the bytes one rank's gradients of one step put into the exchange, and the part
+    of them that is sparse. A dense gradient counts whole; an embedding's `tf.IndexedSlices` counts
+    as the rows and indices it sends (its repeated rows merged first on tf-keras, as tfdist does),
+    which every rank gathers from every other instead of an allreduce."""
     import numpy as np
     import tensorflow as tf
 
-    return int(sum(np.prod(v.shape) * tf.as_dtype(v.dtype).size for v in model.trainable_variables))
+    from tfdist.benchmark.inputs import input_dataset
+    from tfdist.benchmark.models import build_model
+
+    model = build_model(keras, bargs.model, bargs.image_size, bargs.num_classes)
+    features, labels = next(iter(input_dataset(bargs)[0]))
+    with tf.GradientTape() as tape:
+        loss = keras.losses.SparseCategoricalCrossentropy()(labels, model(features, training=True))
+    dense = sparse = 0
+    for g in tape.gradient(loss, model.trainable_variables):
+        if isinstance(g, tf.IndexedSlices):
+            rows = int(tf.size(tf.unique(g.indices)[0])) if legacy else int(tf.size(g.indices))
+            sparse += rows * (int(np.prod(g.values.shape[1:])) * g.values.dtype.size + g.indices.dtype.size)
+        else:
+            dense += int(np.prod(g.shape)) * g.dtype.size
+    return dense + sparse, sparse
 
 
 if __name__ == "__main__":
