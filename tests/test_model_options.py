@@ -101,3 +101,28 @@ def test_merged_rows_keep_one_shape_per_power_of_two_and_their_sum():
     traced = tf.function(merge_repeated_rows)(tf.IndexedSlices(tf.ones([6, 2]), tf.constant([3, 3, 5, 1, 1, 7]),
                                                                 tf.constant([10, 2])))
     assert traced.values.shape[0] == 4 and sorted(traced.indices.numpy()) == [1, 3, 5, 7]
+
+
+def test_sparse_rows_and_ids_travel_packed_and_come_back_bit_for_bit():
+    """tfdist gathers a tf.IndexedSlices' rows and ids in one allgather: each id's bits ride as
+    the last columns of its row, in the rows' dtype; every dtype pair comes back exact, also ids
+    whose bits read as NaN in float32 and an average's division."""
+    import tensorflow as tf
+
+    from tfdist.exchange.sparse_rows import gathered, pack, unpack
+
+    for rows_dtype, ids_dtype, width in ((tf.float32, tf.int32, 7), (tf.float32, tf.int64, 8), (tf.bfloat16, tf.int32, 8),
+                                         (tf.float16, tf.int64, 10), (tf.float64, tf.int32, 7)):
+        ids = tf.constant([0, 5, 2_139_095_041, 2**31 - 1, 3], ids_dtype)  # 2_139_095_041: a float32 NaN's bits
+        values = tf.cast(tf.reshape(tf.range(30, dtype=tf.float32), [5, 2, 3]) - 7.5, rows_dtype)
+        value = tf.IndexedSlices(values, ids, tf.constant([2**31, 2, 3], tf.int64))
+        packed = pack(value)
+        assert packed.dtype == rows_dtype and packed.shape == (5, width), (rows_dtype, ids_dtype, packed.shape)
+        two_ranks = tf.function(lambda rows: unpack(rows, value, divisor=2))(tf.concat([packed, packed], 0))
+        assert two_ranks.indices.dtype == ids_dtype and two_ranks.indices.numpy().tolist() == ids.numpy().tolist() * 2
+        halves = tf.cast(tf.concat([values, values], 0), tf.float32) / 2
+        assert np.array_equal(tf.cast(two_ranks.values, tf.float32).numpy(), halves.numpy()), (rows_dtype, ids_dtype)
+    one_rank = gathered([value], lambda tensors: tensors)[0]  # a gather of one rank gives the value back
+    assert np.array_equal(one_rank.indices.numpy(), ids.numpy()) and np.array_equal(one_rank.values.numpy(), values.numpy())
+    empty = tf.IndexedSlices(tf.zeros([0, 4]), tf.zeros([0], tf.int32), tf.constant([9, 4]))
+    assert unpack(pack(empty), empty).values.shape == (0, 4)

@@ -21,6 +21,7 @@ eagerly, each collective is also marked for the hang detector (`tfdist.faults.ha
 """
 
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -31,7 +32,7 @@ import tensorflow as tf
 
 from tfdist import _compat
 from tfdist.faults import hang
-from tfdist.exchange import xla
+from tfdist.exchange import sparse_rows, xla
 from tfdist.errors import HorovodNotAvailableError
 
 INSTALL_HINT = (
@@ -212,24 +213,32 @@ def allreduce(tensors, op="sum", name=None, compression=None, scope="tfdist_allr
 
 def _allreduce(tensors, op, name, compression):
     hvd = horovod()
+    out = [None] * len(tensors)
+    rows = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices) and op in ("sum", "average")]
+    if rows:  # Horovod gathers a tf.IndexedSlices in two allgathers, rows and ids; packed, in one
+        gather = functools.partial(hvd.grouped_allgather, **_group_name("HorovodGroupedAllgather", name, "rows"))
+        for i, g in zip(rows, sparse_rows.gathered([tensors[i] for i in rows], gather,
+                                                   hvd.size() if op == "average" else None)):
+            out[i] = g
     by_dtype = {}
     for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    out = [None] * len(tensors)
+        if out[i] is None:
+            by_dtype.setdefault(t.dtype, []).append(i)
     for dtype, indices in by_dtype.items():
-        group_op = op
-        if op == "average" and dtype.is_integer:
-            group_op = "sum"
-        kwargs = {"op": _op(group_op)}
+        group_op = "sum" if op == "average" and dtype.is_integer else op
+        kwargs = {"op": _op(group_op), **_group_name("HorovodGroupedAllreduce", name, dtype.name)}
         if compression is not None and dtype.is_floating:
             kwargs["compression"] = compression
-        group_name = graph_name("HorovodGroupedAllreduce", name)
-        if group_name is not None:
-            kwargs["name"] = f"{group_name}.{dtype.name}"
         reduced = hvd.grouped_allreduce([tensors[i] for i in indices], **kwargs)
         for i, r in zip(indices, reduced):
             out[i] = r // hvd.size() if group_op != op else r
     return out
+
+
+def _group_name(kind, name, part):
+    """{"name": ...} for one part of a grouped collective named as `graph_name` says; {} eagerly unnamed."""
+    group = graph_name(kind, name)
+    return {} if group is None else {"name": f"{group}.{part}"}
 
 
 def adasum_refusal(size=None):
@@ -358,13 +367,6 @@ def start_timeline(path):
 def stop_timeline():
     """Stop the timeline started by `start_timeline()` and close its file."""
     horovod().stop_timeline()
-
-
-def signature(values, width=12):
-    """Encode small ints (ndim, dtype enum, dims) as a fixed-width int64 row for allgather."""
-    row = np.full([1, width], -2, dtype=np.int64)
-    row[0, : len(values)] = values
-    return row
 
 
 def xla_ops_available():

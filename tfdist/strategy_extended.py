@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist import _compat, collectives, input_contract, rank_variables
@@ -104,7 +105,7 @@ class HorovodExtended(_compat.one_device_strategy.OneDeviceExtended):
         shape = value.shape.as_list() if value.shape.rank is not None else None
         if shape is None or len(shape) > 8 or any(d is None for d in shape):
             return  # not comparable in a fixed-width row; the broadcast still checks shapes
-        row = collectives.signature([len(shape), value.dtype.as_datatype_enum, *shape])
+        row = _signature([len(shape), value.dtype.as_datatype_enum, *shape])
         rows = collectives.allgather(tf.constant(row), name=f"tfdist.check.{index}").numpy()
         if (rows == rows[0]).all():
             return
@@ -372,6 +373,13 @@ def _shapes_agree(tensors):
     sizes = [tf.constant([len(tensors)], tf.int64)] + [tf.shape(t, out_type=tf.int64) for t in tensors]
     gathered = collectives.allgather(tf.concat(sizes, 0)[None])
     return tf.reduce_all(tf.equal(gathered, gathered[0]))
+
+
+def _signature(values, width=12):
+    """Encode small ints (ndim, dtype enum, dims) as a fixed-width int64 row for allgather."""
+    row = np.full([1, width], -2, dtype=np.int64)
+    row[0, : len(values)] = values
+    return row
 
 
 def _describe_signature(row):
