@@ -48,8 +48,7 @@ def unpack(rows, like, divisor=None):
     width = tf.shape(rows, out_type=tf.int64)[1] - id_width
     indices = tf.cast(tf.reshape(tf.bitcast(rows[:, width:], ids), [-1]), like.indices.dtype)
     shape = tf.concat([[-1], tf.shape(values, out_type=tf.int64)[1:]], 0)
-    gathered = tf.reshape(rows[:, :width], shape)
-    gathered = tf.ensure_shape(gathered, [None] + values.shape[1:].as_list())
+    every_rank = tf.ensure_shape(tf.reshape(rows[:, :width], shape), [None] + values.shape[1:].as_list())
     if divisor is not None:
-        gathered = gathered / tf.cast(divisor, gathered.dtype)
-    return tf.IndexedSlices(gathered, indices, like.dense_shape)
+        every_rank = every_rank / tf.cast(divisor, every_rank.dtype)
+    return tf.IndexedSlices(every_rank, indices, like.dense_shape)

@@ -133,13 +133,14 @@ def rank_of(mode, strategy):
 def gradient_bytes(keras, bargs, legacy):
     """(all, sparse): the bytes one rank's gradients of one step put into the exchange, and the part
     of them that is sparse. A dense gradient counts whole; an embedding's `tf.IndexedSlices` counts
-    as the rows and indices it sends (its repeated rows merged first on tf-keras, as tfdist does),
+    as the rows and ids it sends (on tf-keras its repeated rows merged, as tfdist merges them),
     which every rank gathers from every other instead of an allreduce."""
     import numpy as np
     import tensorflow as tf
 
     from tfdist.benchmark.inputs import input_dataset
     from tfdist.benchmark.models import build_model
+    from tfdist.exchange.gradients import merge_repeated_rows
 
     model = build_model(keras, bargs.model, bargs.image_size, bargs.num_classes)
     features, labels = next(iter(input_dataset(bargs)[0]))
@@ -148,8 +149,8 @@ def gradient_bytes(keras, bargs, legacy):
     dense = sparse = 0
     for g in tape.gradient(loss, model.trainable_variables):
         if isinstance(g, tf.IndexedSlices):
-            rows = int(tf.size(tf.unique(g.indices)[0])) if legacy else int(tf.size(g.indices))
-            sparse += rows * (int(np.prod(g.values.shape[1:])) * g.values.dtype.size + g.indices.dtype.size)
+            sent = merge_repeated_rows(g) if legacy else g
+            sparse += int(tf.size(sent.values)) * g.values.dtype.size + int(tf.size(sent.indices)) * g.indices.dtype.size
         else:
             dense += int(np.prod(g.shape)) * g.dtype.size
     return dense + sparse, sparse
