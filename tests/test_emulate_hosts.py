@@ -259,5 +259,3 @@ def test_benchmark_summary_sets_each_mode_against_every_hosts_baseline_at_once()
     assert "exposed_ms" not in rows["none@each"] and "beyond_apart_ms" not in rows["none@each"]
     meta = {"model": "m", "batch_size": 8, "hosts": 2, "link": "10 Gbit/s"}
     assert "- ready: 5.0 ms a step beyond none@each" in multihost_benchmark.markdown(summary, meta)
-    # a sparse gradient's rows are gathered: at N ranks as an allreduce of N/2 times their bytes
-    assert [multihost_benchmark.allreduce_equivalent(100, 40, n) for n in (2, 4)] == [100, 140]

@@ -73,7 +73,7 @@ def test_calibration_reproduces_the_measured_one_collective_step(capsys):
 
 @pytest.mark.parametrize("flag,value", [("--bandwidth_gbit", "0"), ("--bandwidth_gbit", "-25"),
                                         ("--compute_ms", "0"), ("--ranks", "0"), ("--latency_us", "-1"),
-                                        ("--bandwidth_gbit", "nan")])
+                                        ("--bandwidth_gbit", "nan"), ("--sparse_mb", "-1")])
 def test_nonsense_numbers_are_rejected_at_parse_time_naming_the_flag(flag, value, capsys):
     args = {"--compute_ms": "198", "--gradient_mb": "102", "--bandwidth_gbit": "25", flag: value}
     with pytest.raises(SystemExit) as exit_:  # argparse's usage error, not a ZeroDivisionError later
@@ -166,3 +166,19 @@ def test_exchange_cpu_on_a_cpu_node_stretches_the_step_by_its_cores_share(capsys
         predict.main(["--compute_ms", "2000", "--gradient_mb", "100", "--bandwidth_gbit", "100",
                       "--exchange_cpu_ms_per_mb", "2"])
     assert "--exchange_cpu_ms_per_mb needs --cores_per_node" in capsys.readouterr().err
+
+
+def test_sparse_rows_are_gathered_as_an_allreduce_of_n_over_2_their_bytes_and_never_compressed(capsys):
+    rank = predict.Rank(compute_s=0.03, gradient_bytes=0.1 * 2**20)
+    link = predict.Link(bandwidth_gbit=10, latency_us=0)
+    assert predict.with_sparse(rank, 40, 2).gradient_bytes == rank.gradient_bytes + 40
+    assert predict.with_sparse(rank, 40, 8).gradient_bytes == rank.gradient_bytes + 160  # each rank's rows reach 7
+    dense = predict.table(rank, link, [2, 8], 1, 0, None)
+    rows = predict.table(rank, link, [2, 8], 1, 0, None, sparse_bytes=2**20)
+    assert [r["wire_mb"] - d["wire_mb"] for r, d in zip(rows, dense)] == pytest.approx([1.0, 4.0])
+    assert all(r["comm_ms"] > d["comm_ms"] for r, d in zip(rows, dense))
+    halved = predict.table(rank, link, [2], 1, 0, None, "fp16", sparse_bytes=2**20)[0]
+    assert halved["wire_mb"] == pytest.approx(0.05 + 1.0)  # fp16 halves the dense bytes only
+    assert predict.main(["--compute_ms", "30", "--gradient_mb", "0.1", "--sparse_mb", "1", "--bandwidth_gbit", "10",
+                         "--ranks", "2", "8", "--bucket_mb", "0"]) == 0
+    assert "0.1 MB gradients + 1 MB sparse rows, gathered" in capsys.readouterr().out

@@ -26,7 +26,7 @@ tests/delay_line.py); the measured round trip is in the output.
 Per mode: median step (warm-up excluded, every step of rank 0 of every run pooled), exposed
 communication = step - step of the 1-rank baseline, efficiency = baseline / step, and
 `tfdist-predict`'s step for the same inputs (baseline step, gradient bytes, link) with its error
-(a sparse gradient counts as the rows it sends, gathered: see allreduce_equivalent());
+(a sparse gradient counts as the rows it sends, gathered: `tfdist-predict --sparse_mb`);
 with none@each, each mode's step beyond it (the exchange's own cost on hosts that share a machine).
 Writes <out>.json (every step of every rank of every run, the link as measured, the command,
 `lscpu`'s model) and <out>.md (the table); with --timeline, a Horovod timeline of one extra run of
@@ -209,8 +209,9 @@ def summarize(runs, args, link):
                     continue
                 model = predict.sharded_step_time if sharded(name) else predict.step_time
                 ranks = len(ok[name][0]["ranks"])  # compression: its wire bytes (one flat tensor) and flops
-                wire = allreduce_equivalent(grad, sparse, ranks)
-                rank = predict.compressed(predict.Rank(base / 1e3, wire), None, compression or "none", ranks, 20.0)[0]
+                rank = predict.compressed(predict.Rank(base / 1e3, grad - sparse), None, compression or "none",
+                                          ranks, 20.0)[0]
+                rank = predict.with_sparse(rank, sparse, ranks)
                 p_step, _, p_comm = model(rank, predict.Link(gbit, link["rtt_ms"] / 2 * 1e3), ranks, 1,
                                           modelled * (1 << 20))
                 row[f"predicted_ms_{label}_link"] = p_step * 1e3
@@ -219,12 +220,6 @@ def summarize(runs, args, link):
         rows.append(row)
     return {"baseline_ms": base, "apart_ms": shared, "gradient_bytes": grad, "rows": rows,
             "comparisons": comparisons(rows, args)}
-
-
-def allreduce_equivalent(gradient_bytes, sparse_bytes, ranks):
-    """The bytes an allreduce would move as this exchange does: a sparse gradient's rows are gathered,
-    each rank's m bytes reaching N - 1 others, as a ring allreduce of N m / 2 bytes moves them."""
-    return gradient_bytes + sparse_bytes * (ranks / 2 - 1)
 
 
 def comparisons(rows, args):

@@ -22,6 +22,11 @@ The model (alpha-beta cost of a ring allreduce, minus what the bucket schedule h
 
 It prints a table per rank count and writes a PNG plot (images/s against ranks, ideal line).
 
+Sparse gradients (`--sparse_mb`: a rank's rows and ids a step, from embeddings; their tables stay
+out of `--gradient_mb`) are not allreduced but gathered: every rank receives every other's. They
+count as the allreduce that moves as much, N/2 times their bytes at N ranks (`with_sparse`), and
+no compressor touches them.
+
 Compression (`--compression none fp16 bf16 powersgd:4 topk:0.01`, one table row per method and rank
 count): the gradient bytes become what the method puts on the wire for the model's gradient
 shapes (`--model resnet50` or `--shapes 3072x2048 2048 ...`; `tfdist.exchange.compression_plan`), as
@@ -174,11 +179,20 @@ def exchange_cpu_s(wire_bytes, ranks, cpu_ms_per_mb, cores_per_rank):
     return cpu_ms_per_mb * 1e-3 * wire_bytes / MB * 2 * (ranks - 1) / ranks / cores_per_rank
 
 
+def with_sparse(rank, sparse_bytes, ranks):
+    """`rank` whose gradient bytes also carry `sparse_bytes`: a rank's sparse gradient rows and
+    ids, which every rank gathers from every other (as Horovod and tfdist sum a `tf.IndexedSlices`).
+    Each rank's m bytes reach N - 1 others, which is what a ring allreduce of N m / 2 bytes moves."""
+    return dataclasses.replace(rank, gradient_bytes=rank.gradient_bytes + sparse_bytes * ranks / 2)
+
+
 def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, compression="none", shapes=None,
-          gflops=20.0, sharded=False, update_s=0.0, slots=2, cpu_ms_per_mb=0.0, cores_per_node=None):
+          gflops=20.0, sharded=False, update_s=0.0, slots=2, cpu_ms_per_mb=0.0, cores_per_node=None, sparse_bytes=0.0):
     rows = []
     for n in ranks_list:
         this, wire, extra = compressed(rank, shapes, compression, n, gflops)
+        this = with_sparse(this, sparse_bytes, n)  # gathered as they are: compressors leave them alone
+        wire += sparse_bytes * n / 2
         cpu = exchange_cpu_s(wire, n, cpu_ms_per_mb, (cores_per_node or 1) / min(ranks_per_node, n))
         this = dataclasses.replace(this, compute_s=this.compute_s + cpu)
         if sharded:
@@ -226,6 +240,9 @@ def main(argv=None):
                         help="one rank's measured step (ms)")
     parser.add_argument("--gradient_mb", type=argtypes.positive_float, required=True,
                         help="gradient bytes per step, in MB (2**20 bytes)")
+    parser.add_argument("--sparse_mb", type=argtypes.nonnegative_float, default=0.0,
+                        help="a rank's sparse gradient rows and ids per step (embeddings), in MB, which every "
+                             "rank gathers: count the tables' rows here, not in --gradient_mb")
     parser.add_argument("--backward_fraction", type=float, default=2 / 3)
     parser.add_argument("--bucket_mb", type=argtypes.nonnegative_float, default=25,
                         help="0: one collective after backprop")
@@ -293,8 +310,9 @@ def main(argv=None):
                 results[label] = table(rank, link, args.ranks, args.ranks_per_node, size, args.batch_per_rank,
                                        method, shapes, args.compress_gflops, exchange == "sharded",
                                        args.update_ms / 1e3, args.state_slots, args.exchange_cpu_ms_per_mb,
-                                       args.cores_per_node)
-    print(f"{args.compute_ms:g} ms compute, {args.gradient_mb:g} MB gradients, {args.bandwidth_gbit:g} Gbit/s, "
+                                       args.cores_per_node, args.sparse_mb * MB)
+    sparse = f" + {args.sparse_mb:g} MB sparse rows, gathered" if args.sparse_mb else ""
+    print(f"{args.compute_ms:g} ms compute, {args.gradient_mb:g} MB gradients{sparse}, {args.bandwidth_gbit:g} Gbit/s, "
           f"{args.latency_us:g} us, {args.ranks_per_node} rank(s) per node")
     print("| schedule | ranks | step ms | exposed comm ms | comm ms | efficiency | images/s | wire MB | "
           "compress ms | cpu ms | state MB |")
