@@ -24,7 +24,7 @@ It prints a table per rank count and writes a PNG plot (images/s against ranks, 
 
 Sparse gradients (`--sparse_mb`: a rank's rows and ids a step, from embeddings; their tables stay
 out of `--gradient_mb`) are not allreduced but gathered: every rank receives every other's. They
-count as the allreduce that moves as much, N/2 times their bytes at N ranks (`with_sparse`), and
+count as the allreduce that moves as much, N/2 times their bytes at N ranks (`gathered_bytes`), and
 no compressor touches them.
 
 Compression (`--compression none fp16 bf16 powersgd:4 topk:0.01`, one table row per method and rank
@@ -179,11 +179,16 @@ def exchange_cpu_s(wire_bytes, ranks, cpu_ms_per_mb, cores_per_rank):
     return cpu_ms_per_mb * 1e-3 * wire_bytes / MB * 2 * (ranks - 1) / ranks / cores_per_rank
 
 
+def gathered_bytes(sparse_bytes, ranks):
+    """The allreduce bytes that move as much as gathering a rank's `sparse_bytes` (sparse gradient
+    rows and ids; Horovod and tfdist sum a `tf.IndexedSlices` so) on every one of `ranks` ranks:
+    each rank's m bytes reach N - 1 others, which is what a ring allreduce of N m / 2 bytes moves."""
+    return sparse_bytes * ranks / 2
+
+
 def with_sparse(rank, sparse_bytes, ranks):
-    """`rank` whose gradient bytes also carry `sparse_bytes`: a rank's sparse gradient rows and
-    ids, which every rank gathers from every other (as Horovod and tfdist sum a `tf.IndexedSlices`).
-    Each rank's m bytes reach N - 1 others, which is what a ring allreduce of N m / 2 bytes moves."""
-    return dataclasses.replace(rank, gradient_bytes=rank.gradient_bytes + sparse_bytes * ranks / 2)
+    """`rank` whose gradient bytes also carry a rank's `sparse_bytes`, gathered (`gathered_bytes`)."""
+    return dataclasses.replace(rank, gradient_bytes=rank.gradient_bytes + gathered_bytes(sparse_bytes, ranks))
 
 
 def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, compression="none", shapes=None,
@@ -192,7 +197,7 @@ def table(rank, link, ranks_list, ranks_per_node, bucket_bytes, batch_per_rank, 
     for n in ranks_list:
         this, wire, extra = compressed(rank, shapes, compression, n, gflops)
         this = with_sparse(this, sparse_bytes, n)  # gathered as they are: compressors leave them alone
-        wire += sparse_bytes * n / 2
+        wire += gathered_bytes(sparse_bytes, n)
         cpu = exchange_cpu_s(wire, n, cpu_ms_per_mb, (cores_per_node or 1) / min(ranks_per_node, n))
         this = dataclasses.replace(this, compute_s=this.compute_s + cpu)
         if sharded:
