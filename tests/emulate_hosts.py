@@ -164,6 +164,11 @@ class NetworkNamespaces:
             self._shape(ns, dev)
         return self
 
+    @property
+    def delay_line_pid(self):
+        """The delay line's process id (None without one): its CPU comes from the ranks' cores."""
+        return self._delay_line.pid if self._delay_line else None
+
     def _start_delay_line(self):
         self._delay_line = subprocess.Popen(
             [sys.executable, DELAY_LINE, "--delay_us", f"{self.link.delay_ms * 1e3:g}",

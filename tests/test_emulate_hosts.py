@@ -244,13 +244,17 @@ def test_benchmark_summary_sets_each_mode_against_every_hosts_baseline_at_once()
 
     import multihost_benchmark
 
-    def run(step_ms, gradient_bytes=None, ranks=1):
+    def run(step_ms, gradient_bytes=None, ranks=1, cpu=None):
         rank = {"step_seconds": [1.0] + [ms / 1e3 for ms in step_ms], "warmup_steps_excluded": 1,
                 "gradient_bytes": gradient_bytes}
-        return {"ranks": {str(r): rank for r in range(ranks)}}
+        return {"ranks": {str(r): {**rank, "thread_cpu_per_step": cpu and cpu(r)} for r in range(ranks)}}
+
+    def cpu(other):  # what the worker's timer writes: CPU-ms a step by kind of thread, and the delay line's
+        return lambda rank: {"compute_ms": 40.0, "compute_kernel_ms": 1.0, "other_ms": other + rank,
+                             "other_kernel_ms": 2.0, "delay line": 3.0}
 
     runs = {"none": [run([30, 31, 29], 4096)], "none@each": [run([40, 41, 39], ranks=2)],
-            "ready": [run([45, 46, 44], ranks=2)]}
+            "ready": [run([45, 46, 44], ranks=2, cpu=cpu(6)), run([45, 46, 44], ranks=2, cpu=cpu(9))]}
     args = argparse.Namespace(bucket_mb=25, horovod_model_bucket_mb=1.0, rate_gbit=10.0)
     summary = multihost_benchmark.summarize(runs, args, {"goodput_gbit": 8.0, "rtt_ms": 0.1})
     rows = {r["mode"]: r for r in summary["rows"]}
@@ -258,4 +262,9 @@ def test_benchmark_summary_sets_each_mode_against_every_hosts_baseline_at_once()
     assert rows["ready"]["exposed_ms"] == pytest.approx(15) and rows["ready"]["beyond_apart_ms"] == pytest.approx(5)
     assert "exposed_ms" not in rows["none@each"] and "beyond_apart_ms" not in rows["none@each"]
     meta = {"model": "m", "batch_size": 8, "hosts": 2, "link": "10 Gbit/s"}
-    assert "- ready: 5.0 ms a step beyond none@each" in multihost_benchmark.markdown(summary, meta)
+    text = multihost_benchmark.markdown(summary, meta)
+    assert "- ready: 5.0 ms a step beyond none@each" in text
+    # the exchange's threads' CPU: the median of every rank of every run (6, 7, 9, 10), not rank 0's
+    assert rows["ready"]["thread_cpu_ms"]["other_ms"] == pytest.approx(8) and "thread_cpu_ms" not in rows["none"]
+    assert ("- ready: CPU a step: compute threads 40.0 ms (1.0 in the kernel), other threads (Horovod, Gloo, Python) "
+            "8.0 ms (2.0 in the kernel), delay line 3.0 ms (medians of ranks and runs)") in text

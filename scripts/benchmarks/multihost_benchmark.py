@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # emulate_hosts: one implementa
 sys.path.insert(0, os.path.join(ROOT, "scripts", "benchmarks", "multihost"))
 import emulate_hosts  # noqa: E402
 import timeline_overlap  # noqa: E402
+import worker  # noqa: E402
 
 WORKER = os.path.join(ROOT, "scripts", "benchmarks", "multihost", "worker.py")
 THREADS = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2", "TF_ENABLE_ONEDNN_OPTS": "1"}
@@ -145,6 +146,7 @@ def launch(hosts, name, args, out_dir, job, timeline=None, profile_dir=None):
     try:
         for r in range(ranks):
             env = {**clean_env(), **({} if single else rank_env(hosts, mode, r, job)), **mode_env(name)[0]}
+            env.update({worker.LINK_PID: str(hosts.delay_line_pid)} if hosts.delay_line_pid else {})
             if timeline:
                 env["HOROVOD_TIMELINE"] = timeline
             log = open(os.path.join(out_dir, f"task{r}.log"), "w")
@@ -196,6 +198,10 @@ def summarize(runs, args, link):
         row = {"mode": name, "runs": len(ok[name]), "failed": len(runs[name]) - len(ok[name]),
                "run_medians_ms": [round(statistics.median(timed_ms(r["ranks"]["0"])), 1) for r in ok[name]],
                "steps": len(steps[name]), "step_ms": step}
+        cpus = [rank["thread_cpu_per_step"] for r in ok[name] for rank in r["ranks"].values()
+                if rank.get("thread_cpu_per_step")]
+        if cpus:  # medians over every rank and run
+            row["thread_cpu_ms"] = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
         if shared and name != "none" and "@" not in name:
             row["beyond_apart_ms"] = step - shared
         if base and name != "none" and "@" not in name:
@@ -258,6 +264,10 @@ def markdown(summary, meta):
     lines += [f"- {r['mode']}: {r['beyond_apart_ms']:.1f} ms a step beyond none@each (every host's baseline at "
               "once: the hosts' sharing of this machine without any exchange)" for r in summary["rows"]
               if "beyond_apart_ms" in r]
+    from tfdist.benchmark import thread_cpu
+
+    lines += [f"- {r['mode']}: {thread_cpu.describe(r['thread_cpu_ms'])} (medians of ranks and runs)"
+              for r in summary["rows"] if "thread_cpu_ms" in r]
     for name, found in meta.get("timelines", {}).items():
         text = timeline_overlap.describe(found["overlap"]) if "overlap" in found else "FAILED: " + found["failed"][-300:]
         lines += ["", f"Horovod timeline of one extra {name} run: " + text.replace("\n", " ")]

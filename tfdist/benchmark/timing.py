@@ -2,27 +2,47 @@
 
 ```python
 from tfdist.benchmark.timing import StepTimer
-timer = StepTimer()
-timer.begin(); loss = train_step(); timer.end(loss)   # the loss is fetched: the step has finished
+timer = StepTimer(cpu_steps=(1, 3))   # and the process's CPU a step over steps 2 and 3
+for _ in range(3):
+    timer.begin(); loss = train_step(); timer.end(loss)   # the loss is fetched: the step has finished
+print(timer.times, timer.thread_cpu)
 ```
 """
 
 import statistics
 import time
 
+from tfdist.benchmark import thread_cpu
+
 
 class StepTimer:
-    """Wall time of every step, the step's loss fetched so the step has really finished."""
+    """Wall time of every step, the step's loss fetched so the step has really finished.
 
-    def __init__(self):
+    With `cpu_steps=(a, b)` it also takes this process's CPU a step by kind of thread
+    (`thread_cpu.per_step`) from the start of step a + 1 to the end of step b, as `thread_cpu`,
+    and that of each process in `processes` ({name: pid}, e.g. an emulated link's) by its name.
+    """
+
+    def __init__(self, cpu_steps=None, processes=None):
         self.times, self.losses, self._start = [], [], None
+        self.cpu_steps, self.processes, self.thread_cpu, self._before = cpu_steps, processes or {}, None, None
 
     def begin(self):
+        if self.cpu_steps and len(self.times) == self.cpu_steps[0]:
+            self._before = self._snapshots()
         self._start = time.perf_counter()
 
     def end(self, loss):
         self.losses.append(float(loss))
         self.times.append(time.perf_counter() - self._start)
+        if self.cpu_steps and len(self.times) == self.cpu_steps[1] and self._before:
+            after, steps = self._snapshots(), self.cpu_steps[1] - self.cpu_steps[0]
+            self.thread_cpu = thread_cpu.per_step(self._before[None], after[None], steps)
+            self.thread_cpu.update({name: thread_cpu.process_ms(self._before[name], after[name], steps)
+                                    for name in self.processes})
+
+    def _snapshots(self):
+        return {None: thread_cpu.snapshot(), **{name: thread_cpu.snapshot(pid) for name, pid in self.processes.items()}}
 
 
 def report(args, timer, global_batch, rank, unit="images", per_example=1):

@@ -29,7 +29,7 @@ import time
 
 from tfdist.benchmark import argtypes
 from tfdist.tuning import startup
-from tfdist.benchmark import transformers
+from tfdist.benchmark import thread_cpu, transformers
 from tfdist.benchmark.inputs import distributed_input, input_dataset
 from tfdist.benchmark.models import MODELS, build_model, model_name, synthetic_only
 from tfdist.benchmark.modes import mwms_tf_config, start
@@ -98,12 +98,13 @@ PARSER.add_argument("--global_input", action="store_true",
 PARSER.add_argument("--json", help="write the result (every step time) here (rank 0)")
 
 
-def run_keras_fit(args, keras, strategy, rank, horovod=None):
+def run_keras_fit(args, keras, strategy, rank, horovod=None, processes=None):
     """model.fit under `strategy` (None: none, or with `horovod`, horovod.tensorflow.keras, Horovod's
-    Keras path: its DistributedOptimizer and broadcast); returns (timer, data source, accuracy log)."""
+    Keras path: its DistributedOptimizer and broadcast); returns (timer, data source, accuracy log).
+    The timer takes the CPU a timed step of this process's threads and of `processes` ({name: pid})."""
     import contextlib
 
-    timer = StepTimer()
+    timer = StepTimer(None if args.epochs else timed_steps(args), processes)
 
     class Timing(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -173,7 +174,12 @@ def make_optimizer(keras, args, learning_rate):
     return keras.optimizers.SGD(learning_rate, momentum=0.9)
 
 
-def run_horovod_loop(args, keras):
+def timed_steps(args):
+    """(warm-up steps, all steps): the window whose CPU a step the timer takes."""
+    return args.num_warmup_batches, args.num_warmup_batches + args.num_batches
+
+
+def run_horovod_loop(args, keras, processes=None):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -194,7 +200,7 @@ def run_horovod_loop(args, keras):
             hvd.broadcast_variables(optimizer.variables(), root_rank=0)
         return loss
 
-    timer = StepTimer()
+    timer = StepTimer(timed_steps(args), processes)
     batches = iter(ds.take(args.num_warmup_batches + args.num_batches))
     KEPT.append(batches)
     for i, (images, labels) in enumerate(batches):
@@ -308,8 +314,11 @@ def main():
         timer, source, history = run_keras_fit(args, keras, strategy, rank)
     tokens = transformers.is_token_model(args.model)
     total = report(args, timer, global_batch, rank, *(("tokens", args.seq_len) if tokens else ()))
+    if rank == 0 and timer.thread_cpu:
+        print(f"rank 0, timed steps: {thread_cpu.describe(timer.thread_cpu)}")
     result = {"args": vars(args), "argv": sys.argv, "header": header, "ranks": size, "global_batch": global_batch,
               "total_images_per_sec": total, "step_seconds": timer.times, "step_losses": timer.losses,
+              "thread_cpu_per_step": timer.thread_cpu,
               "warmup_steps_excluded": args.num_warmup_batches, "data": source, "tuning": tuning,
               "in_effect": {**effect, "cpus": list(effect["cpus"])}, "early_settings": startup.state(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -14,9 +14,9 @@ Modes, all on tf-keras (or Keras 3 with --keras keras3) and the same model:
            hvd.DistributedOptimizer and its BroadcastGlobalVariablesCallback (horovod.tensorflow.keras)
   mwms     tf.distribute.MultiWorkerMirroredStrategy + model.fit, workers from TF_CONFIG
   none     one process, plain model.fit (the 1-rank baseline; under none@each one per host, R from SLURM_PROCID)
-Writes `rank<R>.json` in --out: every step time (warm-up included, and marked), gradient bytes (a
-sparse gradient as the rows it sends), the threads and cpus TensorFlow reports, and how the rank was
-launched.
+Writes `rank<R>.json` in --out: every step time (warm-up included, and marked), the CPU a timed
+step of the rank's threads by kind and of the emulated link's delay line, gradient bytes (a sparse
+gradient as the rows it sends), the threads and cpus TensorFlow reports, and how the rank was launched.
 """
 
 import argparse
@@ -27,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mlp:wide_mlp
 
+LINK_PID = "EMULATED_LINK_PID"  # set by multihost_benchmark where a delay line joins the hosts
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 PARSER.add_argument("--mode", required=True, choices=["tfdist", "horovod", "horovod_fit", "mwms", "none"])
 PARSER.add_argument("--bucket_mb", default="0", help="MB, or 'ready' (each gradient as it exists)")
@@ -67,7 +68,7 @@ def main():
     import tensorflow as tf
 
     from tfdist.tuning import plan as tuning
-    from tfdist.benchmark import run as bench
+    from tfdist.benchmark import train_benchmark as bench
     from tfdist.keras.flavour import keras_module
 
     keras, bargs = keras_module(), benchmark_args(args)
@@ -93,19 +94,22 @@ def main():
         launched = f"MultiWorkerMirroredStrategy, TF_CONFIG {os.environ.get('TF_CONFIG')}"
     rank = rank_of(args.mode, strategy)
     start = time.time()
+    # the emulated link's process takes its CPU from the cores the ranks run on: count it beside theirs
+    link = {"delay line": int(os.environ[LINK_PID])} if os.environ.get(LINK_PID) else {}
     if args.mode == "horovod":
-        timer, _, _ = bench.run_horovod_loop(bargs, keras)
+        timer, _, _ = bench.run_horovod_loop(bargs, keras, processes=link)
     elif args.mode == "horovod_fit":
         import horovod.tensorflow.keras as hvd_keras
 
-        timer, _, _ = bench.run_keras_fit(bargs, keras, None, rank, horovod=hvd_keras)
+        timer, _, _ = bench.run_keras_fit(bargs, keras, None, rank, horovod=hvd_keras, processes=link)
     else:
-        timer, _, _ = bench.run_keras_fit(bargs, keras, strategy, rank)
+        timer, _, _ = bench.run_keras_fit(bargs, keras, strategy, rank, processes=link)
     effect = tuning.in_effect()
     gradients = dict(zip(("gradient_bytes", "sparse_gradient_bytes"),
                          gradient_bytes(keras, bargs, args.keras == "tf_keras") if args.mode == "none" else (None, None)))
     result = {"mode": args.mode, "bucket_mb": args.bucket_mb, "rank": rank, "argv": sys.argv,
               "launched": launched, "step_seconds": timer.times, "warmup_steps_excluded": args.warmup,
+              "thread_cpu_per_step": timer.thread_cpu,
               **gradients, "started": start,
               "in_effect": {**effect, "cpus": list(effect["cpus"])},
               "affinity": sorted(os.sched_getaffinity(0)), "tf": tf.__version__,
