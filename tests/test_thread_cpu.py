@@ -1,7 +1,7 @@
 """tfdist.benchmark.thread_cpu and StepTimer's CPU window: a process's CPU by kind of thread, read
-from the kernel's own per-thread accounting, against each thread's own clock."""
+from the kernel's own per-thread accounting, against each thread's own clock; and the names
+tfdist.launch.thread_names gives the threads Horovod starts."""
 
-import ctypes
 import subprocess
 import sys
 import threading
@@ -11,15 +11,14 @@ import pytest
 
 from tfdist.benchmark import thread_cpu
 from tfdist.benchmark.timing import StepTimer
+from tfdist.launch import thread_names
 
 TICK_MS = 1e3 / thread_cpu._TICKS_PER_S
 
 
-def busy(seconds, name=None, spent=None, hold=None):
-    """Spin for `seconds` of this thread's CPU (named `name` for the kernel), add it to `spent`,
-    then wait for `hold` (a thread that has ended is no longer in /proc)."""
-    if name:
-        ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: what /proc/.../comm shows
+def busy(seconds, spent=None, hold=None):
+    """Spin for `seconds` of this thread's CPU, add it to `spent`, then wait for `hold` (a thread
+    that has ended is no longer in /proc)."""
     start = time.thread_time()
     while time.thread_time() - start < seconds:
         pass
@@ -29,11 +28,44 @@ def busy(seconds, name=None, spent=None, hold=None):
         hold.wait()
 
 
+def own_name(tid=None):
+    return open(f"/proc/self/task/{tid or threading.get_native_id()}/comm").read().strip()
+
+
+def test_threads_started_in_the_block_and_theirs_carry_the_name_and_the_caller_keeps_its_own():
+    mine, seen, hold = own_name(), {}, threading.Event()
+
+    def child():
+        seen["child"] = own_name()
+        hold.wait()
+
+    def loop():  # as Horovod's background loop, which starts Gloo's threads after init returns
+        seen["loop"] = own_name()
+        grandchild = threading.Thread(target=child)
+        grandchild.start()
+        hold.wait()
+        grandchild.join()
+
+    with thread_names.started_as(thread_names.EXCHANGE):
+        started = threading.Thread(target=loop)
+        started.start()
+    after = threading.Thread(target=lambda: seen.setdefault("after", own_name()))
+    after.start()
+    after.join()
+    while len(seen) < 3:
+        time.sleep(0.01)
+    hold.set()
+    started.join()
+    assert seen == {"loop": "hvd_exchange", "child": "hvd_exchange", "after": mine} and own_name() == mine
+
+
 def test_threads_are_counted_by_kind_as_their_own_clocks_say():
-    before, spent, hold = thread_cpu.snapshot(), {"tf_worker": [], None: []}, threading.Event()
-    threads = [threading.Thread(target=busy, args=(0.3, name, spent[name], hold)) for name in spent]
-    for t in threads:
-        t.start()
+    before, spent, hold = thread_cpu.snapshot(), {"exchange": [], "rest": []}, threading.Event()
+    with thread_names.started_as(thread_names.EXCHANGE):
+        exchange = threading.Thread(target=busy, args=(0.3, spent["exchange"], hold))
+        exchange.start()
+    rest = threading.Thread(target=busy, args=(0.3, spent["rest"], hold))
+    rest.start()
     main_start = time.thread_time()
     busy(0.2)
     main = time.thread_time() - main_start
@@ -41,13 +73,13 @@ def test_threads_are_counted_by_kind_as_their_own_clocks_say():
         time.sleep(0.01)
     cpu = thread_cpu.per_step(before, thread_cpu.snapshot(), steps=2)
     hold.set()
-    for t in threads:
+    for t in (exchange, rest):
         t.join()
-    # the named thread and the main thread are compute; the unnamed one is "other" (as Horovod's loop)
-    assert cpu["other_ms"] == pytest.approx(spent[None][0] * 1e3 / 2, abs=2 * TICK_MS)
-    assert cpu["compute_ms"] >= (spent["tf_worker"][0] + main) * 1e3 / 2 - 2 * TICK_MS
-    assert 0 <= cpu["other_kernel_ms"] <= cpu["other_ms"] and 0 <= cpu["compute_kernel_ms"] <= cpu["compute_ms"]
-    assert "other threads (Horovod, Gloo, Python)" in thread_cpu.describe(cpu)
+    # the named thread is the exchange; the unnamed one and the main thread (TensorFlow's, Python's) the rest
+    assert cpu["exchange_ms"] == pytest.approx(spent["exchange"][0] * 1e3 / 2, abs=2 * TICK_MS)
+    assert cpu["rest_ms"] >= (spent["rest"][0] + main) * 1e3 / 2 - 2 * TICK_MS
+    assert 0 <= cpu["exchange_kernel_ms"] <= cpu["exchange_ms"] and 0 <= cpu["rest_kernel_ms"] <= cpu["rest_ms"]
+    assert cpu["exchange_threads"] == 1 and "Horovod's threads" in thread_cpu.describe(cpu)
 
 
 def test_another_process_and_a_missing_one():
@@ -72,8 +104,8 @@ def test_step_timer_takes_the_window_it_was_given():
         timer.end(0.0)
         assert (timer.thread_cpu is None) == (step < 2)
     cpu = timer.thread_cpu  # steps 2 and 3: about 50 ms each, in the main thread
-    assert cpu["compute_ms"] == pytest.approx(50, abs=TICK_MS + 5) and cpu["other_ms"] < TICK_MS
-    assert cpu["itself"] == pytest.approx(cpu["compute_ms"] + cpu["other_ms"], abs=TICK_MS)
+    assert cpu["rest_ms"] == pytest.approx(50, abs=TICK_MS + 5) and cpu["exchange_ms"] == 0
+    assert cpu["itself"] == pytest.approx(cpu["rest_ms"], abs=TICK_MS)
     assert ", itself " in thread_cpu.describe(cpu)
     short = StepTimer(cpu_steps=(1, 3))
     for _ in range(2):

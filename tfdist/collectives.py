@@ -83,10 +83,11 @@ def init():
     """
     hvd = horovod()
     if not hvd.is_initialized():
-        from tfdist.launch import start as launch
+        from tfdist.launch import start as launch, thread_names
 
         launch.prepare(mpi_built=hvd.mpi_built())
-        hvd.init()
+        with thread_names.started_as(thread_names.EXCHANGE):  # Horovod's threads, named apart from TF's
+            hvd.init()
     return hvd
 
 

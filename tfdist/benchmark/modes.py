@@ -30,6 +30,7 @@ def start(args):
     import tensorflow as tf
 
     from tfdist.keras.flavour import keras_module
+    from tfdist.launch import thread_names
     from tfdist.strategy import HorovodStrategy
 
     keras = keras_module()
@@ -64,7 +65,8 @@ def start(args):
 
         if args.horovod_cycle_time_ms:
             os.environ["HOROVOD_CYCLE_TIME"] = str(args.horovod_cycle_time_ms)
-        hvd.init()
+        with thread_names.started_as(thread_names.EXCHANGE):  # as tfdist's: its CPU is counted alike
+            hvd.init()
         return keras, None, tuning, hvd.size(), hvd.rank()
     if args.variable_update == "mwms":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()

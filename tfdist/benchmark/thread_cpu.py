@@ -1,8 +1,10 @@
-"""CPU time of this process's threads, by kind: where a rank's core goes besides the step.
+"""CPU time of this process's threads, by kind: what the exchange takes from a rank's cores.
 
-A CPU rank's exchange runs on threads of its own (Horovod's background loop, Gloo's), on the
-cores its compute uses. Their CPU time, against the compute's, says how much of a step the
-exchange took from the model, which the step time alone cannot.
+A CPU rank's exchange runs on threads of its own, on the cores its compute uses: Horovod's
+background loop and the Gloo and MPI threads it starts, which tfdist names `hvd_exchange`
+(`tfdist.launch.thread_names`; the benchmark's Horovod modes name theirs alike). Their CPU time,
+against that of the rest (TensorFlow's threads, the main thread that runs a step's ops, Python's),
+says how much of a step the exchange took from the model, which the step time alone cannot.
 
 ```python
 from tfdist.benchmark import thread_cpu
@@ -13,6 +15,8 @@ print(thread_cpu.describe(thread_cpu.per_step(before, thread_cpu.snapshot(), ste
 """
 
 import os
+
+from tfdist.launch.thread_names import EXCHANGE
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -37,23 +41,23 @@ def snapshot(pid=None):
     return threads
 
 
-def kind(tid, name, pid=None):
-    """A thread's kind: "compute" for TensorFlow's threads (named tf_*) and the main thread, which
-    runs a step's ops inline; "other" for the rest (Horovod's loop, Gloo's, Python's)."""
-    return "compute" if name.startswith("tf_") or tid == (pid or os.getpid()) else "other"
+def kind(name):
+    """A thread's kind by its name: "exchange" (Horovod's threads) or "rest"."""
+    return "exchange" if name == EXCHANGE else "rest"
 
 
-def per_step(before, after, steps, pid=None):
-    """CPU-ms a step by kind between two snapshots of one process, with the kernel's part of each.
+def per_step(before, after, steps):
+    """CPU-ms a step by kind between two snapshots of one process, with the kernel's part of each,
+    and how many of its threads are the exchange's ("exchange_threads").
 
     A thread started between them counts from zero; one that ended before `after` is not counted.
     """
-    totals = {"compute_ms": 0.0, "compute_kernel_ms": 0.0, "other_ms": 0.0, "other_kernel_ms": 0.0}
+    totals = {"exchange_ms": 0.0, "exchange_kernel_ms": 0.0, "rest_ms": 0.0, "rest_kernel_ms": 0.0,
+              "exchange_threads": sum(kind(name) == "exchange" for name, _, _ in after.values())}
     for tid, (name, user, kernel) in after.items():
         _, user0, kernel0 = before.get(tid, (name, 0.0, 0.0))
-        k = kind(tid, name, pid)
-        totals[f"{k}_ms"] += (user - user0 + kernel - kernel0) * 1e3 / steps
-        totals[f"{k}_kernel_ms"] += (kernel - kernel0) * 1e3 / steps
+        totals[f"{kind(name)}_ms"] += (user - user0 + kernel - kernel0) * 1e3 / steps
+        totals[f"{kind(name)}_kernel_ms"] += (kernel - kernel0) * 1e3 / steps
     return totals
 
 
@@ -65,7 +69,7 @@ def process_ms(before, after, steps):
 
 def describe(cpu):
     """`per_step`'s result (and any other process's CPU-ms a step in it, by name) in one line."""
-    line = (f"CPU a step: compute threads {cpu['compute_ms']:.1f} ms ({cpu['compute_kernel_ms']:.1f} in the kernel), "
-            f"other threads (Horovod, Gloo, Python) {cpu['other_ms']:.1f} ms ({cpu['other_kernel_ms']:.1f} in the kernel)")
-    known = ("compute_ms", "compute_kernel_ms", "other_ms", "other_kernel_ms")
+    line = (f"CPU a step: Horovod's threads {cpu['exchange_ms']:.1f} ms ({cpu['exchange_kernel_ms']:.1f} in the "
+            f"kernel), the rest (TensorFlow, Python) {cpu['rest_ms']:.1f} ms ({cpu['rest_kernel_ms']:.1f} in the kernel)")
+    known = ("exchange_ms", "exchange_kernel_ms", "rest_ms", "rest_kernel_ms", "exchange_threads")
     return line + "".join(f", {name} {ms:.1f} ms" for name, ms in cpu.items() if name not in known)

@@ -85,10 +85,11 @@ def main():
     elif args.mode in ("horovod", "horovod_fit"):
         import horovod.tensorflow as hvd
 
-        from tfdist.launch import start as launch
+        from tfdist.launch import start as launch, thread_names
 
         launched = launch.prepare(mpi_built=hvd.mpi_built()).describe()
-        hvd.init()
+        with thread_names.started_as(thread_names.EXCHANGE):  # as tfdist names its Horovod threads
+            hvd.init()
     elif args.mode == "mwms":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         launched = f"MultiWorkerMirroredStrategy, TF_CONFIG {os.environ.get('TF_CONFIG')}"
