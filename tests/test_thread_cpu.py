@@ -71,25 +71,27 @@ def test_threads_are_counted_by_kind_as_their_own_clocks_say():
     main = time.thread_time() - main_start
     while sum(map(len, spent.values())) < 2:
         time.sleep(0.01)
-    cpu = thread_cpu.per_step(before, thread_cpu.snapshot(), steps=2)
+    after = thread_cpu.snapshot()
     hold.set()
     for t in (exchange, rest):
         t.join()
+    ours = {exchange.native_id, rest.native_id, threading.get_native_id()}  # not an earlier test's Horovod
+    cpu = thread_cpu.per_step(*({t: v for t, v in s.items() if t in ours} for s in (before, after)), steps=2)
     # the named thread is the exchange; the unnamed one and the main thread (TensorFlow's, Python's) the rest
     assert cpu["exchange_ms"] == pytest.approx(spent["exchange"][0] * 1e3 / 2, abs=2 * TICK_MS)
-    assert cpu["rest_ms"] >= (spent["rest"][0] + main) * 1e3 / 2 - 2 * TICK_MS
+    assert cpu["rest_ms"] == pytest.approx((spent["rest"][0] + main) * 1e3 / 2, abs=3 * TICK_MS)
     assert 0 <= cpu["exchange_kernel_ms"] <= cpu["exchange_ms"] and 0 <= cpu["rest_kernel_ms"] <= cpu["rest_ms"]
     assert cpu["exchange_threads"] == 1 and "Horovod's threads" in thread_cpu.describe(cpu)
 
 
 def test_another_process_and_a_missing_one():
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                              "while time.process_time() - t < 0.4: pass\ntime.sleep(30)"])
+    spin = "import time\nwhile time.process_time() < 0.5: pass\nprint(time.process_time(), flush=True)\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
     try:
-        before = thread_cpu.snapshot(child.pid)
-        time.sleep(1.0)
+        before = thread_cpu.snapshot(child.pid)  # before its start-up is over, so before it spins
+        total_ms = float(child.stdout.readline()) * 1e3  # all its CPU: start-up and spin
         spent = thread_cpu.process_ms(before, thread_cpu.snapshot(child.pid), steps=1)
-        assert 100 < spent <= 400 + 2 * TICK_MS  # the spin, less what it did before the first snapshot
+        assert 300 < spent <= total_ms + 2 * TICK_MS
     finally:
         child.kill()
         child.wait()
@@ -104,8 +106,8 @@ def test_step_timer_takes_the_window_it_was_given():
         timer.end(0.0)
         assert (timer.thread_cpu is None) == (step < 2)
     cpu = timer.thread_cpu  # steps 2 and 3: about 50 ms each, in the main thread
-    assert cpu["rest_ms"] == pytest.approx(50, abs=TICK_MS + 5) and cpu["exchange_ms"] == 0
-    assert cpu["itself"] == pytest.approx(cpu["rest_ms"], abs=TICK_MS)
+    assert cpu["rest_ms"] == pytest.approx(50, abs=TICK_MS + 5) and cpu["exchange_ms"] <= TICK_MS
+    assert cpu["itself"] == pytest.approx(cpu["rest_ms"] + cpu["exchange_ms"], abs=TICK_MS)
     assert ", itself " in thread_cpu.describe(cpu)
     short = StepTimer(cpu_steps=(1, 3))
     for _ in range(2):
