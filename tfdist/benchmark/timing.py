@@ -20,7 +20,8 @@ class StepTimer:
 
     With `cpu_steps=(a, b)` it also takes this process's CPU a step by kind of thread
     (`thread_cpu.per_step`) from the start of step a + 1 to the end of step b, as `thread_cpu`,
-    and that of each process in `processes` ({name: pid}, e.g. an emulated link's) by its name.
+    and that of each process in `processes` ({name: pid}, e.g. an emulated link's) by its name;
+    `thread_cpu` stays None where /proc cannot be read.
     """
 
     def __init__(self, cpu_steps=None, processes=None):
@@ -35,7 +36,7 @@ class StepTimer:
     def end(self, loss):
         self.losses.append(float(loss))
         self.times.append(time.perf_counter() - self._start)
-        if self.cpu_steps and len(self.times) == self.cpu_steps[1] and self._before:
+        if self.cpu_steps and len(self.times) == self.cpu_steps[1] and self._before and self._before[None]:
             after, steps = self._snapshots(), self.cpu_steps[1] - self.cpu_steps[0]
             self.thread_cpu = thread_cpu.per_step(self._before[None], after[None], steps)
             self.thread_cpu.update({name: thread_cpu.process_ms(self._before[name], after[name], steps)
