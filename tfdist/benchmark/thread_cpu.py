@@ -63,8 +63,8 @@ def per_step(before, after, steps):
 
 def process_ms(before, after, steps):
     """CPU-ms a step of a whole process (every thread) between two of its snapshots."""
-    return sum(user + kernel - sum(before.get(tid, (name, 0.0, 0.0))[1:])
-               for tid, (name, user, kernel) in after.items()) * 1e3 / steps
+    cpu = per_step(before, after, steps)
+    return cpu["exchange_ms"] + cpu["rest_ms"]
 
 
 def describe(cpu):
