@@ -247,7 +247,9 @@ def test_benchmark_summary_sets_each_mode_against_every_hosts_baseline_at_once()
     def run(step_ms, gradient_bytes=None, ranks=1, cpu=None):
         rank = {"step_seconds": [1.0] + [ms / 1e3 for ms in step_ms], "warmup_steps_excluded": 1,
                 "gradient_bytes": gradient_bytes}
-        return {"ranks": {str(r): {**rank, "thread_cpu_per_step": cpu and cpu(r)} for r in range(ranks)}}
+        names = {r: cpu and {"main": 2.0, **({"tf_data": 4.0} if r else {})} for r in range(ranks)}  # by name
+        return {"ranks": {str(r): {**rank, "thread_cpu_per_step": cpu and cpu(r), "thread_cpu_by_name": names[r]}
+                          for r in range(ranks)}}
 
     def cpu(other):  # what the worker's timer writes: CPU-ms a step by kind of thread, and the delay line's
         return lambda rank: {"exchange_ms": other + rank, "exchange_kernel_ms": 2.0, "rest_ms": 40.0,
@@ -266,5 +268,8 @@ def test_benchmark_summary_sets_each_mode_against_every_hosts_baseline_at_once()
     assert "- ready: 5.0 ms a step beyond none@each" in text
     # the exchange's threads' CPU: the median of every rank of every run (6, 7, 9, 10), not rank 0's
     assert rows["ready"]["thread_cpu_ms"]["exchange_ms"] == pytest.approx(8) and "thread_cpu_ms" not in rows["none"]
+    # by thread name likewise, a name one rank lacks counting 0 there (tf_data: 0, 4, 0, 4)
+    assert rows["ready"]["thread_cpu_by_name_ms"] == {"main": 2.0, "tf_data": 2.0}
+    assert "thread_cpu_by_name_ms" not in rows["none"]
     assert ("- ready: CPU a step: Horovod's threads 8.0 ms (2.0 in the kernel), the rest (TensorFlow, Python) "
             "40.0 ms (1.0 in the kernel), delay line 3.0 ms (medians of ranks and runs)") in text

@@ -1,6 +1,6 @@
 """Profiling: ProfileSteps' trace and scalars, step markers on both Keras flavours, tfdist's named
-collectives, Horovod's timeline, the per-rank summary naming a straggler, and TensorBoard's
-Profile and Scalars pages in a real (headless Chromium) browser.
+collectives, Horovod's timeline, the per-rank summary naming a straggler, the benchmark's profiles
+side by side, and TensorBoard's Profile and Scalars pages in a real (headless Chromium) browser.
 
 The multi-rank tests share one 2-rank Keras 3 job (tests/multirank/profile_checks.py) in which
 rank 1's input pipeline sleeps 0.2 s per batch.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from browser import chromium_or_skip, get_json, page_text, screenshot, tensorboard
-from conftest import ROOT, flavor_env, run_job
+from conftest import BIN, ROOT, flavor_env, run_job
 from tfdist.benchmark import profile_summary
 from tfdist.callbacks import ProfileSteps
 from tfdist.callbacks._keras import keras_module
@@ -137,6 +137,28 @@ def test_custom_loop_steps_carry_step_markers(profiled_job):
         steps = profile_summary.step_breakdown(profile_summary.trace_events(trace))
         assert steps["steps"] == LOOP_STEPS and steps["step"] > 0
         assert [s["step"] for s in steps["per_step"]] == list(range(LOOP_STEPS))
+
+
+def cli(name, *args):
+    """Run one of tfdist's console scripts; its stdout."""
+    out = subprocess.run([str(BIN / name), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_benchmark_profiles_are_summarised_by_op_type_and_by_op(tmp_path):
+    cli("tfdist-benchmark", "--model", "mnist_cnn", "--image_size", 16, "--num_classes", 10, "--batch_size", 4,
+        "--num_warmup_batches", 1, "--num_batches", 4, "--variable_update", "none",
+        "--profile_dir", tmp_path / "prof", "--profile_steps", 2)
+    assert re.search(r"^\| rank0 \| 2 \| [\d.]+ \|", cli("tfdist-profile", tmp_path / "prof"), re.M)  # 2 steps
+    for by, top in (("type", 5), ("op", 8)):
+        out = cli("tfdist-profile", tmp_path / "prof", tmp_path / "prof", "--top", top, "--by", by)
+        rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()[2:]]
+        assert len(rows) == top + 1 and rows[-1][0] == "all ops"  # the top ops, then the total
+        assert any("Conv2D" in row[0] for row in rows[:-1])  # the CNN's convolutions are among the top
+        assert all(row[1] == row[2] and re.fullmatch(r"\d+\.\d+ \(\d+%\)", row[1]) for row in rows[:-1])
+        assert all(("/" in row[0]) == (by == "op") for row in rows[:-1] if row[0] != "IDLE"), rows  # names or types
 
 
 def test_tf_keras_steps_carry_step_markers(tmp_path):

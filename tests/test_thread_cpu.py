@@ -76,12 +76,19 @@ def test_threads_are_counted_by_kind_as_their_own_clocks_say():
     for t in (exchange, rest):
         t.join()
     ours = {exchange.native_id, rest.native_id, threading.get_native_id()}  # not an earlier test's Horovod
-    cpu = thread_cpu.per_step(*({t: v for t, v in s.items() if t in ours} for s in (before, after)), steps=2)
+    snapshots = [{t: v for t, v in s.items() if t in ours} for s in (before, after)]
+    cpu = thread_cpu.per_step(*snapshots, steps=2)
     # the named thread is the exchange; the unnamed one and the main thread (TensorFlow's, Python's) the rest
     assert cpu["exchange_ms"] == pytest.approx(spent["exchange"][0] * 1e3 / 2, abs=2 * TICK_MS)
     assert cpu["rest_ms"] == pytest.approx((spent["rest"][0] + main) * 1e3 / 2, abs=3 * TICK_MS)
     assert 0 <= cpu["exchange_kernel_ms"] <= cpu["exchange_ms"] and 0 <= cpu["rest_kernel_ms"] <= cpu["rest_ms"]
     assert cpu["exchange_threads"] == 1 and "Horovod's threads" in thread_cpu.describe(cpu)
+    # by name: the main thread as "main", the unnamed thread by the name it inherited
+    names = thread_cpu.by_name(*snapshots, steps=2)
+    assert set(names) == {"hvd_exchange", "main", after[rest.native_id][0]} and list(names)[-1] == "main"
+    assert names["main"] == pytest.approx(main * 1e3 / 2, abs=2 * TICK_MS)
+    assert names["hvd_exchange"] == pytest.approx(cpu["exchange_ms"]) and sum(names.values()) == pytest.approx(
+        cpu["exchange_ms"] + cpu["rest_ms"])
 
 
 def test_another_process_and_a_missing_one():
@@ -109,6 +116,7 @@ def test_step_timer_takes_the_window_it_was_given():
     assert cpu["rest_ms"] == pytest.approx(50, abs=TICK_MS + 5) and cpu["exchange_ms"] <= TICK_MS
     assert cpu["itself"] == pytest.approx(cpu["rest_ms"] + cpu["exchange_ms"], abs=TICK_MS)
     assert ", itself " in thread_cpu.describe(cpu)
+    assert timer.thread_cpu_by_name["main"] == pytest.approx(50, abs=TICK_MS + 5)
     short = StepTimer(cpu_steps=(1, 3))
     for _ in range(2):
         short.begin()

@@ -140,7 +140,7 @@ def launch(hosts, name, args, out_dir, job, timeline=None, profile_dir=None):
     argv += ["--compression", compression] if compression else []
     argv += ["--keras", args.keras] + (["--loss_scale"] if args.loss_scale else [])
     argv += ["--shard_optimizer_state"] if sharded(name) else []
-    argv += ["--profile_dir", profile_dir] if profile_dir else []
+    argv += ["--profile_dir", profile_dir, "--profile_steps", args.profile_steps] if profile_dir else []
     argv += ["--global_input"] if args.global_input else []
     procs = []
     try:
@@ -202,6 +202,10 @@ def summarize(runs, args, link):
                 if rank.get("thread_cpu_per_step")]
         if cpus:  # medians over every rank and run
             row["thread_cpu_ms"] = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
+        names = [rank.get("thread_cpu_by_name") or {} for r in ok[name] for rank in r["ranks"].values()]
+        if any(names):  # each thread name's median over every rank and run, 0 where a rank has none
+            row["thread_cpu_by_name_ms"] = {n: statistics.median(c.get(n, 0.0) for c in names)
+                                            for n in dict.fromkeys(n for c in names for n in c)}
         if shared and name != "none" and "@" not in name:
             row["beyond_apart_ms"] = step - shared
         if base and name != "none" and "@" not in name:
@@ -306,8 +310,9 @@ def main(argv=None):
     parser.add_argument("--timeline", nargs="+", default=[],
                         help="an extra run of each of these modes with HOROVOD_TIMELINE, analysed")
     parser.add_argument("--profile", nargs="+", default=[],
-                        help="an extra run of each of these modes, 3 steps TF-profiled on rank 0 "
+                        help="an extra run of each of these modes, --profile_steps steps TF-profiled on rank 0 "
                              "(<out>-profile-<mode>; read with tfdist-profile)")
+    parser.add_argument("--profile_steps", type=int, default=3, help="steps in each --profile run (at most --steps)")
     parser.add_argument("--global_input", action="store_true",
                         help="tfdist and mwms fit a finite dataset batched by the global batch "
                              "(experimental_distribute_dataset) instead of per-replica batches")

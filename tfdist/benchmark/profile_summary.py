@@ -12,6 +12,8 @@ than waiting in communication: the others wait for it inside the gradient allred
 
 Two or more paths (or `--view ops`): the op types with the most self time on the host, in ms
 per profiled step, side by side; a slower configuration shows which ops it lost time in.
+`--by op` lists each op by its name instead, so an op that only one configuration runs (a cast,
+a copy, an extra collective) shows as 0 in the others.
 
 Each path is a profile log dir (the newest `*.xplane.pb` under each rank's dir is read) or an
 `.xplane.pb` file. Both views read the profile through the TensorBoard profile plugin's
@@ -197,8 +199,16 @@ def print_steps(path, out=sys.stdout):
     return breakdowns
 
 
-def op_type_self_times(trace):
-    """{op type: total self time in microseconds} over the profile, host ops only."""
+GROUPS = {"type": "type", "op": "operation"}  # --by: the framework_op_stats column to group by
+
+
+def _ms(value):
+    """ms per step as the ops view prints it: two decimals under 1 ms, where short steps differ."""
+    return f"{value:.2f}" if abs(value) < 1 else f"{value:.1f}"
+
+
+def op_type_self_times(trace, by="type"):
+    """{op type (or op name, by="op"): total self time in microseconds} over the profile, host ops only."""
     from xprof.convert import raw_to_tool_data
 
     data, _ = raw_to_tool_data.xspace_to_tool_data([trace], "framework_op_stats", {})
@@ -207,35 +217,36 @@ def op_type_self_times(trace):
     tables = json.loads(data)
     table = tables[0] if isinstance(tables, list) else tables
     labels = [c.get("id") or c.get("label") for c in table["cols"]]
-    col = {name: labels.index(name) for name in ("type", "host_or_device", "total_self_time")}
+    col = {name: labels.index(name) for name in (GROUPS[by], "host_or_device", "total_self_time")}
     totals = {}
     for row in table["rows"]:
         cells = [c.get("v") if isinstance(c, dict) else c for c in row["c"]]
         if str(cells[col["host_or_device"]]).lower() not in ("host", "cpu"):
             continue
-        kind = cells[col["type"]]
+        kind = cells[col[GROUPS[by]]]
         totals[kind] = totals.get(kind, 0.0) + float(cells[col["total_self_time"]])
     return totals
 
 
-def print_ops(paths, top=15, steps=None, out=sys.stdout):
-    """Print the op types with the most self time, ms per step (share), one column per path."""
+def print_ops(paths, top=15, steps=None, out=sys.stdout, by="type"):
+    """Print the op types (or ops, by="op") with the most self time, ms per step (share), a column per path."""
     names = [os.path.basename(os.path.normpath(p)) for p in paths]
     traces = [newest_trace(p) for p in paths]
-    stats = [op_type_self_times(t) for t in traces]
+    stats = [op_type_self_times(t, by) for t in traces]
     if steps is None:
         counted = [step_breakdown(trace_events(t)) for t in traces]
         per_step = [b["steps"] if b else 3 for b in counted]
     else:
         per_step = [steps] * len(paths)
     order = sorted(set().union(*stats), key=lambda k: -max(s.get(k, 0) for s in stats))[:top]
-    print("| op type | " + " | ".join(f"{n}: ms/step (share)" for n in names) + " |", file=out)
+    print(f"| {'op type' if by == 'type' else 'op'} | " + " | ".join(f"{n}: ms/step (share)" for n in names) + " |",
+          file=out)
     print("|---|" + "---|" * len(names), file=out)
     for kind in order:
-        cells = [f"{s.get(kind, 0) / 1000 / n:.0f} ({s.get(kind, 0) / max(sum(s.values()), 1):.0%})"
+        cells = [f"{_ms(s.get(kind, 0) / 1000 / n)} ({s.get(kind, 0) / max(sum(s.values()), 1):.0%})"
                  for s, n in zip(stats, per_step)]
         print(f"| {kind} | " + " | ".join(cells) + " |", file=out)
-    print("| all ops | " + " | ".join(f"{sum(s.values()) / 1000 / n:.0f}" for s, n in zip(stats, per_step))
+    print("| all ops | " + " | ".join(_ms(sum(s.values()) / 1000 / n) for s, n in zip(stats, per_step))
           + " |", file=out)
 
 
@@ -246,14 +257,16 @@ def main(argv=None):
     parser.add_argument("--view", choices=("auto", "steps", "ops"), default="auto",
                         help="steps: per-rank step breakdown; ops: op types side by side "
                              "(auto: steps for one path, ops for several)")
-    parser.add_argument("--top", type=int, default=15, help="op types to show (ops view)")
+    parser.add_argument("--top", type=int, default=15, help="op types (or ops) to show (ops view)")
+    parser.add_argument("--by", choices=tuple(GROUPS), default="type",
+                        help="ops view: group self time by op type, or list each op by its name")
     parser.add_argument("--steps", type=int, default=None,
                         help="steps in each profile, for the ops view (default: the marked steps, else 3)")
     args = parser.parse_args(argv)
     view = args.view if args.view != "auto" else ("steps" if len(args.profiles) == 1 else "ops")
     try:
         if view == "ops":
-            print_ops(args.profiles, args.top, args.steps)
+            print_ops(args.profiles, args.top, args.steps, by=args.by)
         else:
             for path in args.profiles:
                 print_steps(path)

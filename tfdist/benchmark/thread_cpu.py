@@ -61,6 +61,21 @@ def per_step(before, after, steps):
     return totals
 
 
+def by_name(before, after, steps, pid=None):
+    """CPU-ms a step of each thread name between two snapshots of process `pid` (default: this
+    one), "main" for its main thread, the busiest first: which of "the rest" (tf.data's threads,
+    TensorFlow's pools, the main thread's Python) a difference between two runs sits in. Threads
+    that share a name are summed.
+    """
+    main = pid or os.getpid()  # the main thread's id is the process id
+    names = {}
+    for tid, (name, user, kernel) in after.items():
+        _, user0, kernel0 = before.get(tid, (name, 0.0, 0.0))
+        label = "main" if tid == main else name
+        names[label] = names.get(label, 0.0) + (user - user0 + kernel - kernel0) * 1e3 / steps
+    return dict(sorted(names.items(), key=lambda item: -item[1]))
+
+
 def process_ms(before, after, steps):
     """CPU-ms a step of a whole process (every thread) between two of its snapshots."""
     cpu = per_step(before, after, steps)

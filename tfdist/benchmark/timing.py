@@ -21,12 +21,14 @@ class StepTimer:
     With `cpu_steps=(a, b)` it also takes this process's CPU a step by kind of thread
     (`thread_cpu.per_step`) from the start of step a + 1 to the end of step b, as `thread_cpu`,
     and that of each process in `processes` ({name: pid}, e.g. an emulated link's) by its name;
-    `thread_cpu` stays None where /proc cannot be read.
+    `thread_cpu` stays None where /proc cannot be read. `thread_cpu_by_name` is this process's
+    CPU a step by thread name (`thread_cpu.by_name`).
     """
 
     def __init__(self, cpu_steps=None, processes=None):
         self.times, self.losses, self._start = [], [], None
         self.cpu_steps, self.processes, self.thread_cpu, self._before = cpu_steps, processes or {}, None, None
+        self.thread_cpu_by_name = None
 
     def begin(self):
         if self.cpu_steps and len(self.times) == self.cpu_steps[0]:
@@ -39,6 +41,7 @@ class StepTimer:
         if self.cpu_steps and len(self.times) == self.cpu_steps[1] and self._before and self._before[None]:
             after, steps = self._snapshots(), self.cpu_steps[1] - self.cpu_steps[0]
             self.thread_cpu = thread_cpu.per_step(self._before[None], after[None], steps)
+            self.thread_cpu_by_name = thread_cpu.by_name(self._before[None], after[None], steps)
             self.thread_cpu.update({name: thread_cpu.process_ms(self._before[name], after[name], steps)
                                     for name in self.processes})
 

@@ -90,8 +90,11 @@ PARSER.add_argument("--shard_optimizer_state", action="store_true",
                     help="tfdist: HorovodStrategy(shard_optimizer_state=True), each rank keeps 1/N of the optimizer state")
 PARSER.add_argument("--horovod_cycle_time_ms", type=argtypes.positive_float,
                     help="Horovod's background cycle (tfdist, horovod)")
-PARSER.add_argument("--profile_dir", help="TF-profile 3 steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
+PARSER.add_argument("--profile_dir", help="TF-profile the steps after the warm-up on rank 0 (callbacks.ProfileSteps); "
                     "summarise with tfdist-profile. Those steps run slower: compare profiles, not speeds")
+PARSER.add_argument("--profile_steps", type=argtypes.positive_int,
+                    help="with --profile_dir: how many steps to profile (default 3; at most --num_batches). "
+                    "Short steps need more of them for a difference of a millisecond to stand out")
 PARSER.add_argument("--global_input", action="store_true",
                     help="strategies: fit a finite dataset batched by the global batch (experimental_distribute_dataset, "
                          "split as MWMS splits it) instead of per-replica batches (distribute_datasets_from_function)")
@@ -137,7 +140,8 @@ def run_keras_fit(args, keras, strategy, rank, horovod=None, processes=None):
         from tfdist.callbacks import ProfileSteps
 
         first = args.num_warmup_batches
-        fit_callbacks.append(ProfileSteps(args.profile_dir, steps=(first, first + min(3, args.num_batches)),
+        profiled = min(args.profile_steps or 3, args.num_batches)
+        fit_callbacks.append(ProfileSteps(args.profile_dir, steps=(first, first + profiled),
                                       batch_size=args.batch_size))
     if not args.epochs:
         steps = args.num_warmup_batches + args.num_batches
@@ -248,6 +252,8 @@ def main():
             PARSER.error(f"--compression: {e}")
         if args.variable_update != "tfdist":
             PARSER.error(f"--compression is for --variable_update tfdist, not {args.variable_update}")
+    if args.profile_steps and not args.profile_dir:
+        PARSER.error("--profile_steps needs --profile_dir (where to write the profile)")
     if args.bucket_mb is not None and args.variable_update != "tfdist":
         PARSER.error(f"--bucket_mb is for --variable_update tfdist, not {args.variable_update}")
     if args.loss_scale and args.variable_update == "horovod":
@@ -318,7 +324,7 @@ def main():
         print(f"rank 0, timed steps: {thread_cpu.describe(timer.thread_cpu)}")
     result = {"args": vars(args), "argv": sys.argv, "header": header, "ranks": size, "global_batch": global_batch,
               "total_images_per_sec": total, "step_seconds": timer.times, "step_losses": timer.losses,
-              "thread_cpu_per_step": timer.thread_cpu,
+              "thread_cpu_per_step": timer.thread_cpu, "thread_cpu_by_name": timer.thread_cpu_by_name,
               "warmup_steps_excluded": args.num_warmup_batches, "data": source, "tuning": tuning,
               "in_effect": {**effect, "cpus": list(effect["cpus"])}, "early_settings": startup.state(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -42,7 +42,8 @@ PARSER.add_argument("--steps", type=int, default=5)
 PARSER.add_argument("--keras", choices=["tf_keras", "keras3"], default="tf_keras")
 PARSER.add_argument("--loss_scale", action="store_true", help="wrap the optimizer in Keras' LossScaleOptimizer")
 PARSER.add_argument("--shard_optimizer_state", action="store_true", help="HorovodStrategy(shard_optimizer_state=True)")
-PARSER.add_argument("--profile_dir", default=None, help="TF-profile 3 steps after the warm-up on rank 0")
+PARSER.add_argument("--profile_dir", default=None, help="TF-profile steps after the warm-up on rank 0")
+PARSER.add_argument("--profile_steps", type=int, default=3, help="with --profile_dir: how many")
 PARSER.add_argument("--global_input", action="store_true",
                     help="strategies: a finite dataset batched by the global batch, split by the strategy")
 PARSER.add_argument("--out", required=True)
@@ -56,7 +57,8 @@ def benchmark_args(args):
                                str(args.image_size), "--num_classes", str(args.num_classes),
                                "--num_warmup_batches", str(args.warmup), "--num_batches", str(args.steps),
                                *(["--loss_scale"] if args.loss_scale else []),
-                               *(["--profile_dir", args.profile_dir] if args.profile_dir else []),
+                               *(["--profile_dir", args.profile_dir, "--profile_steps", str(args.profile_steps)]
+                                 if args.profile_dir else []),
                                *(["--global_input"] if args.global_input else [])])
     return bargs
 
@@ -110,7 +112,7 @@ def main():
                          gradient_bytes(keras, bargs, args.keras == "tf_keras") if args.mode == "none" else (None, None)))
     result = {"mode": args.mode, "bucket_mb": args.bucket_mb, "rank": rank, "argv": sys.argv,
               "launched": launched, "step_seconds": timer.times, "warmup_steps_excluded": args.warmup,
-              "thread_cpu_per_step": timer.thread_cpu,
+              "thread_cpu_per_step": timer.thread_cpu, "thread_cpu_by_name": timer.thread_cpu_by_name,
               **gradients, "started": start,
               "in_effect": {**effect, "cpus": list(effect["cpus"])},
               "affinity": sorted(os.sched_getaffinity(0)), "tf": tf.__version__,
