@@ -140,7 +140,8 @@ def launch(hosts, name, args, out_dir, job, timeline=None, profile_dir=None):
     argv += ["--compression", compression] if compression else []
     argv += ["--keras", args.keras] + (["--loss_scale"] if args.loss_scale else [])
     argv += ["--shard_optimizer_state"] if sharded(name) else []
-    argv += ["--profile_dir", profile_dir, "--profile_steps", args.profile_steps] if profile_dir else []
+    argv += ["--profile_dir", profile_dir] if profile_dir else []
+    argv += ["--profile_steps", args.profile_steps] if profile_dir and args.profile_steps else []
     argv += ["--global_input"] if args.global_input else []
     procs = []
     try:
@@ -310,9 +311,9 @@ def main(argv=None):
     parser.add_argument("--timeline", nargs="+", default=[],
                         help="an extra run of each of these modes with HOROVOD_TIMELINE, analysed")
     parser.add_argument("--profile", nargs="+", default=[],
-                        help="an extra run of each of these modes, --profile_steps steps TF-profiled on rank 0 "
+                        help="an extra run of each of these modes, 3 steps (or --profile_steps) TF-profiled on rank 0 "
                              "(<out>-profile-<mode>; read with tfdist-profile)")
-    parser.add_argument("--profile_steps", type=int, default=3, help="steps in each --profile run (at most --steps)")
+    parser.add_argument("--profile_steps", type=int, help="steps in each --profile run (default 3, at most --steps)")
     parser.add_argument("--global_input", action="store_true",
                         help="tfdist and mwms fit a finite dataset batched by the global batch "
                              "(experimental_distribute_dataset) instead of per-replica batches")

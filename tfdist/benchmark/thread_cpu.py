@@ -46,6 +46,14 @@ def kind(name):
     return "exchange" if name == EXCHANGE else "rest"
 
 
+def _spent(before, after, steps):
+    """(thread id, name, CPU-ms a step, its kernel part) of each thread of `after` since `before`;
+    a thread started between them counts from zero."""
+    for tid, (name, user, kernel) in after.items():
+        _, user0, kernel0 = before.get(tid, (name, 0.0, 0.0))
+        yield tid, name, (user - user0 + kernel - kernel0) * 1e3 / steps, (kernel - kernel0) * 1e3 / steps
+
+
 def per_step(before, after, steps):
     """CPU-ms a step by kind between two snapshots of one process, with the kernel's part of each,
     and how many of its threads are the exchange's ("exchange_threads").
@@ -54,10 +62,9 @@ def per_step(before, after, steps):
     """
     totals = {"exchange_ms": 0.0, "exchange_kernel_ms": 0.0, "rest_ms": 0.0, "rest_kernel_ms": 0.0,
               "exchange_threads": sum(kind(name) == "exchange" for name, _, _ in after.values())}
-    for tid, (name, user, kernel) in after.items():
-        _, user0, kernel0 = before.get(tid, (name, 0.0, 0.0))
-        totals[f"{kind(name)}_ms"] += (user - user0 + kernel - kernel0) * 1e3 / steps
-        totals[f"{kind(name)}_kernel_ms"] += (kernel - kernel0) * 1e3 / steps
+    for _, name, spent, kernel in _spent(before, after, steps):
+        totals[f"{kind(name)}_ms"] += spent
+        totals[f"{kind(name)}_kernel_ms"] += kernel
     return totals
 
 
@@ -69,10 +76,9 @@ def by_name(before, after, steps, pid=None):
     """
     main = pid or os.getpid()  # the main thread's id is the process id
     names = {}
-    for tid, (name, user, kernel) in after.items():
-        _, user0, kernel0 = before.get(tid, (name, 0.0, 0.0))
+    for tid, name, spent, _ in _spent(before, after, steps):
         label = "main" if tid == main else name
-        names[label] = names.get(label, 0.0) + (user - user0 + kernel - kernel0) * 1e3 / steps
+        names[label] = names.get(label, 0.0) + spent
     return dict(sorted(names.items(), key=lambda item: -item[1]))
 
 

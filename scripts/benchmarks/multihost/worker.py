@@ -43,7 +43,7 @@ PARSER.add_argument("--keras", choices=["tf_keras", "keras3"], default="tf_keras
 PARSER.add_argument("--loss_scale", action="store_true", help="wrap the optimizer in Keras' LossScaleOptimizer")
 PARSER.add_argument("--shard_optimizer_state", action="store_true", help="HorovodStrategy(shard_optimizer_state=True)")
 PARSER.add_argument("--profile_dir", default=None, help="TF-profile steps after the warm-up on rank 0")
-PARSER.add_argument("--profile_steps", type=int, default=3, help="with --profile_dir: how many")
+PARSER.add_argument("--profile_steps", help="with --profile_dir: how many (default: tfdist-benchmark's)")
 PARSER.add_argument("--global_input", action="store_true",
                     help="strategies: a finite dataset batched by the global batch, split by the strategy")
 PARSER.add_argument("--out", required=True)
@@ -57,8 +57,8 @@ def benchmark_args(args):
                                str(args.image_size), "--num_classes", str(args.num_classes),
                                "--num_warmup_batches", str(args.warmup), "--num_batches", str(args.steps),
                                *(["--loss_scale"] if args.loss_scale else []),
-                               *(["--profile_dir", args.profile_dir, "--profile_steps", str(args.profile_steps)]
-                                 if args.profile_dir else []),
+                               *(["--profile_dir", args.profile_dir] if args.profile_dir else []),
+                               *(["--profile_steps", args.profile_steps] if args.profile_steps else []),
                                *(["--global_input"] if args.global_input else [])])
     return bargs
 
