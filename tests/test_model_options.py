@@ -4,8 +4,9 @@ offline) and a two-tower recommender with two Embedding(50_000, 16) tables, whos
 tf.IndexedSlices beside dense ones (both flavours). One launch per flavour of
 tests/multirank/model_option_checks.py trains every (model, option) pair: the default exchange,
 shard_optimizer_state=True, bucket_mb=0 (one grouped allreduce), bucket_mb=1 (1 MB buckets, so
-sparse and dense gradients share some) and compression="bf16". op="adasum" with a sparse gradient
-beside dense ones needs mpirun: tests/test_mpi.py."""
+sparse and dense gradients share some), compression="bf16", and the default exchange compiled with
+steps_per_execution=2 (two steps a call of the step function, against one process's one).
+op="adasum" with a sparse gradient beside dense ones needs mpirun: tests/test_mpi.py."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from conftest import ROOT, flavor_env, read_results, run_job
 
 WORKER = ROOT / "tests" / "multirank" / "model_option_checks.py"
-EXACT = ("default", "sharded", "one_group", "buckets")
+EXACT = ("default", "sharded", "one_group", "buckets", "two_per_call")
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
@@ -48,6 +49,7 @@ def test_every_model_and_option_trains_as_one_process(launch):
         name, option = case.split(".")
         want = ref[f"{name}.reference"]
         assert facts["steps"] == ranks[1][case]["steps"] == want["steps"] > 0, case
+        assert facts["calls"] == want["calls"] // (2 if option == "two_per_call" else 1) > 0, case  # in effect
         mine, other, expected = weights(two, name, option), weights(two, name, option, 1), weights(reference, name, "reference")
         assert all(np.array_equal(a, b) for a, b in zip(mine, other, strict=True)), f"{case}: ranks differ"
         trained = distance(expected, weights(reference, name, "initial"))

@@ -6,7 +6,8 @@ large embedding tables (sparse tf.IndexedSlices gradients; both flavours).
     python tests/multirank/model_option_checks.py --out DIR --reference     # 1 process, plain Keras
 
 Each model trains one epoch at global batch 16 under HorovodStrategy() with each option in
-OPTIONS (or, with --reference, with no strategy at all, also writing DIR/<model>.initial.rank0.npz).
+OPTIONS, compiled as COMPILE says for it (or, with --reference, with no strategy and Keras'
+defaults, also writing DIR/<model>.initial.rank0.npz).
 Each rank writes DIR/<model>.<option>.rank<R>.npz (the final weights) and DIR/rank<R>.json: per
 case the steps and the optimizer's state bytes on this rank.
 """
@@ -25,7 +26,8 @@ keras = keras_module()
 KERAS3 = keras.__name__ == "keras"
 
 OPTIONS = {"default": {}, "sharded": {"shard_optimizer_state": True}, "one_group": {"bucket_mb": 0},
-           "buckets": {"bucket_mb": 1}, "bf16": {"compression": "bf16"}}
+           "buckets": {"bucket_mb": 1}, "bf16": {"compression": "bf16"}, "two_per_call": {}}
+COMPILE = {"two_per_call": {"steps_per_execution": 2}}  # Keras' remedy for per-step Python, as users set it
 EXAMPLES, GLOBAL_BATCH, SEQUENCE, VOCABULARY, TABLE = 64, 16, 8, 100, 50_000
 
 
@@ -80,17 +82,20 @@ def two_tower():
 MODELS = {"bert": bert, "gpt2": gpt2, "two_tower": two_tower} if KERAS3 else {"two_tower": two_tower}
 
 
-def train(name, strategy, seed, out=None):
-    """`name`'s model trained one epoch under `strategy` (`out`: its initial weights saved there first)."""
+def train(name, strategy, seed, out=None, option=None):
+    """`name`'s model trained one epoch under `strategy` (`out`: its initial weights saved there first),
+    compiled with `option`'s COMPILE arguments."""
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         model, optimizer, loss, x, y = MODELS[name]()
-        model.compile(optimizer=optimizer, loss=loss)
+        model.compile(optimizer=optimizer, loss=loss, **COMPILE.get(option, {}))
     if out is not None:
         np.savez(os.path.join(out, f"{name}.initial.rank0.npz"), *[np.asarray(w) for w in model.weights])
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    calls = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: calls.ends.append(batch))
+    calls.ends = []  # Keras calls the batch-end hook once a call of the step function
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[calls])
     state = sum(np.asarray(v).nbytes for v in model.optimizer.variables)
-    return model, {"steps": int(np.asarray(model.optimizer.iterations)), "state_bytes": state}
+    return model, {"steps": int(np.asarray(model.optimizer.iterations)), "calls": len(calls.ends), "state_bytes": state}
 
 
 def repeated_rows_sent(strategy):
@@ -119,7 +124,7 @@ def main():
 
         strategies = {option: tfdist.HorovodStrategy(tuning=False, **kwargs) for option, kwargs in OPTIONS.items()}
         rank = strategies["default"].rank
-        cases = {(name, option): train(name, strategy, seed=100 + rank)  # the broadcast aligns the ranks
+        cases = {(name, option): train(name, strategy, seed=100 + rank, option=option)  # the broadcast aligns ranks
                  for name in MODELS for option, strategy in strategies.items()}
     results = {}
     for (name, option), (model, facts) in cases.items():
