@@ -9,7 +9,8 @@ Each model trains one epoch at global batch 16 under HorovodStrategy() with each
 OPTIONS, compiled as COMPILE says for it (or, with --reference, with no strategy and Keras'
 defaults, also writing DIR/<model>.initial.rank0.npz).
 Each rank writes DIR/<model>.<option>.rank<R>.npz (the final weights) and DIR/rank<R>.json: per
-case the steps and the optimizer's state bytes on this rank.
+case the steps, the calls of the step function (the batch-end hook's) and the optimizer's state
+bytes on this rank.
 """
 
 import os
