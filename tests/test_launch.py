@@ -196,6 +196,57 @@ def test_missing_task_is_named_by_the_server():
         server.stop()
 
 
+
+def test_values_are_swapped_through_the_store_and_a_missing_rank_is_named():
+    import threading
+
+    port = free_port()
+    server = rendezvous.RendezvousServer(launch.slurm_topology(slurm_env(0, 1, "localhost", 0, 0)), port, "1.0")
+    try:
+        got = {}
+        threads = [threading.Thread(target=lambda r: got.update({r: rendezvous.exchange(
+            "127.0.0.1", port, "s", r, 2, f"v{r}", timeout=10)}), args=(r,)) for r in (1, 0)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert got == {0: ["v0", "v1"], 1: ["v0", "v1"]}
+        with pytest.raises(LaunchError, match=f"rank 0: after 0.5 s rank\\(s\\) 1, 2 of 3 had not published their "
+                                              f"t value at the rendezvous 127.0.0.1:{port}"):
+            rendezvous.exchange("127.0.0.1", port, "t", 0, 3, "x", timeout=0.5)
+    finally:
+        server.stop()
+
+
+def test_mwms_benchmark_workers_take_ports_the_os_gives(monkeypatch):
+    """Not the ports after Gloo's rendezvous port, as they once were: another process held one of
+    them in CI ("Could not start gRPC server")."""
+    from tfdist.benchmark import modes
+
+    port = free_port()
+    server = rendezvous.RendezvousServer(launch.slurm_topology(slurm_env(0, 1, "localhost", 0, 0)), port, "1.0")
+    held = socket.socket()
+    try:
+        held.bind(("", port + 1))
+        held.listen()
+        for name, value in {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1", "HOROVOD_LOCAL_SIZE": "1",
+                            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+                            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+        modes.mwms_tf_config(timeout=5)
+        (worker,) = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+        with socket.socket() as probe:
+            probe.bind(("", int(worker.split(":")[1])))  # free, unlike port + 1
+        monkeypatch.delenv("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        monkeypatch.delenv("TF_CONFIG")
+        with pytest.raises(SystemExit, match="launch with horovodrun --gloo or tfdist-run, or set TF_CONFIG"):
+            modes.mwms_tf_config()
+    finally:
+        held.close()
+        server.stop()
+
+
 # ---------------------------------------------------------------- real srun-style jobs
 
 def run_tasks(envs, out_dir, prefixes=None, timeout=JOB_TIMEOUT):

@@ -6,13 +6,15 @@
 
 import json
 import os
+import socket
 import sys
 
 
-def mwms_tf_config():
+def mwms_tf_config(timeout=120):
     """TF_CONFIG for MultiWorkerMirroredStrategy: as the user set it, or one worker per horovodrun
-    rank on this host (replacing the one tfdist exported, whose ports no server is meant to use)."""
-    from tfdist.launch import tf_config
+    rank on this host, each on a port the OS gave it, swapped through the Gloo rendezvous store
+    (replacing the TF_CONFIG tfdist exported, whose ports no server is meant to use)."""
+    from tfdist.launch import rendezvous, tf_config
 
     if tf_config.given() is not None or "HOROVOD_RANK" not in os.environ:
         return
@@ -20,9 +22,20 @@ def mwms_tf_config():
     if int(os.environ.get("HOROVOD_LOCAL_SIZE", size)) != size:
         sys.exit("--variable_update mwms derives TF_CONFIG for ranks on one host only; set TF_CONFIG "
                  "for multi-host runs")
-    base = int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "23450")) + 1
-    workers = [f"localhost:{base + i}" for i in range(size)]
+    addr, port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if not addr or not port:
+        sys.exit("--variable_update mwms derives TF_CONFIG through Horovod's Gloo rendezvous: launch with "
+                 "horovodrun --gloo or tfdist-run, or set TF_CONFIG")
+    ports = rendezvous.exchange(addr, int(port), "tfdist-mwms-ports", rank, size, str(_free_port()), timeout)
+    workers = [f"localhost:{p}" for p in ports]
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
+
+
+def _free_port():
+    """A port the OS deems free now (a fixed offset from another port may be any process's)."""
+    with socket.socket() as s:
+        s.bind(("", 0))  # TensorFlow serves on every address
+        return s.getsockname()[1]
 
 
 def start(args):

@@ -16,7 +16,8 @@ reach --target_accuracy (stopping there).
            on a tf-keras model (Horovod's own Keras layer fails on both Keras flavours with TF 2.21)
   mwms     tf.distribute.MultiWorkerMirroredStrategy + tf-keras model.fit (its fit fails on Keras 3,
            keras-team/keras#20585); workers from TF_CONFIG, or derived from horovodrun's environment
-           (ranks on one host, ports after Horovod's rendezvous port) when TF_CONFIG is unset
+           (ranks on one host, each on a port the OS gave it, swapped through Gloo's rendezvous
+           store) when TF_CONFIG is unset
   none     one process, plain model.fit, TensorFlow's default threading (the baseline)
 """
 

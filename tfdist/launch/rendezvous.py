@@ -137,3 +137,24 @@ def _url_host(addr):
 
 def _short(ranks, limit=8):
     return ", ".join(map(str, ranks[:limit])) + (f" ... ({len(ranks)} in all)" if len(ranks) > limit else "")
+
+
+def exchange(addr, port, scope, rank, size, value, timeout):
+    """Every rank's `value` (a str), in rank order, through the rendezvous store at addr:port (Horovod's
+    Gloo rendezvous under horovodrun --gloo and tfdist-run): this rank's is published under `scope`."""
+    url = f"http://{_url_host(addr)}:{port}/{scope}/"
+    _http("PUT", url + str(rank), value.encode())
+    deadline = time.monotonic() + timeout
+    values = {}
+    while True:
+        for other in set(range(size)) - set(values):
+            got = _http("GET", url + str(other))
+            if got is not None:
+                values[other] = got.decode()
+        if len(values) == size:
+            return [values[r] for r in range(size)]
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(size)) - set(values))
+            raise LaunchError(f"rank {rank}: after {timeout:g} s rank(s) {_short(missing)} of {size} had not "
+                              f"published their {scope} value at the rendezvous {addr}:{port} (did they start?)")
+        time.sleep(_POLL_S)
