@@ -190,6 +190,9 @@ log "installing $TF_REQ, tf-keras, test tools"
 pip_quiet install -q "$TF_REQ" "tf-keras==$TF_VERSION" tensorboard \
   numpy pytest pytest-xdist scikit-learn matplotlib cloudpickle psutil py-spy pyyaml "tensorboard-plugin-profile==2.24.2" \
   "keras-hub==0.32.0" mock  # mock: Horovod's own suite (tests/test_horovod_suite.py)
+# TensorFlow Recommenders (tests/test_model_options.py, tfdist-benchmark --model tfrs_retrieval): without
+# its dependencies, whose `tensorflow` would add the full TensorFlow beside tensorflow-cpu.
+pip_quiet install -q --no-deps "tensorflow-recommenders==0.7.7"
 pip_quiet install -q --no-deps -e "$ROOT"
 # The docs site's tools, as pinned in setup.cfg's `docs` extra (tests/test_docs_site.py builds it).
 mapfile -t DOCS_REQ < <("$PY" -c 'import configparser, sys; c = configparser.ConfigParser(); c.read(sys.argv[1])

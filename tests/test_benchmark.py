@@ -256,6 +256,34 @@ def test_two_tower_has_its_tables_sparse_gradients_and_skewed_ids():
     assert len(sparse) == 2 and len(grads) == 8, sparse  # both tables; the towers' and the head's dense
 
 
+@pytest.mark.skipif(not __import__("importlib.util").util.find_spec("tensorflow_recommenders"),
+                    reason="tensorflow-recommenders is not installed (bash scripts/bootstrap.sh installs it)")
+def test_tfrs_retrieval_is_tfrss_in_batch_softmax_with_sparse_tables():
+    code = """
+import numpy as np, tensorflow as tf
+from tfdist.benchmark import models, recommenders
+from tfdist.keras.flavour import keras_module
+keras = keras_module()
+model = models.build_model(keras, "tfrs_retrieval", 0, 0)
+(users, items), labels = next(iter(models.synthetic_input("tfrs_retrieval", 64, 0)[0]))
+config = recommenders.CONFIGS["tfrs_retrieval"]
+assert int(tf.reduce_max(users)) < config["user_rows"] < int(tf.reduce_max(items)) < config["rows"]
+with tf.GradientTape() as tape:
+    loss = models.training_loss(keras, "tfrs_retrieval")(model, (users, items), labels)
+u, i = model.users(users[:, 0]), model.items(items[:, 0])
+scores = tf.matmul(u, i, transpose_b=True)  # each user's own item against the batch's others
+want = tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(tf.eye(64), scores))
+np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+grads = tape.gradient(loss, model.trainable_variables)
+assert [type(g).__name__ for g in grads] == ["IndexedSlices", "IndexedSlices"], grads
+assert [tuple(v.shape) for v in model.trainable_variables] == [(943, 32), (1682, 32)]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**ENV, "TF_USE_LEGACY_KERAS": "1"})
+    assert out.stdout.strip().endswith("ok"), out.stdout + out.stderr[-3000:]
+
+
 def test_resnet20_has_the_cifar_resnets_size():
     from tfdist.benchmark.models import build_model
 
@@ -276,7 +304,8 @@ def test_resnet20_has_the_cifar_resnets_size():
     (["--profile_steps", "5"], "--profile_steps needs --profile_dir (where to write the profile)"),
     (["--target_accuracy", "90"], "argument --target_accuracy: 90 is not in (0, 1]"),
     (["--model", "resnet5O"], "unknown model 'resnet5O': did you mean 'resnet50'? known models: resnet50, "
-                              "resnet50_v1.5, resnet20, mnist_cnn, trivial, gpt2_small, gpt_mini, bert_mini, two_tower; or give "
+                              "resnet50_v1.5, resnet20, mnist_cnn, trivial, gpt2_small, gpt_mini, bert_mini, two_tower, "
+                              "tfrs_retrieval; or give "
                               "your own as module:function"),
     (["--model", "gpt_mini", "--data_dir", "/data"], "--model gpt_mini trains on synthetic inputs: no --data_dir"),
     (["--shard_optimizer_state", "--variable_update", "horovod"],
@@ -286,6 +315,7 @@ def test_resnet20_has_the_cifar_resnets_size():
     (["--loss_scale", "--variable_update", "horovod"], "--loss_scale is for the Keras modes"),
     (["--bucket_mb", "0", "--variable_update", "mwms"], "--bucket_mb is for --variable_update tfdist, not mwms"),
     (["--bucket_mb", "-1"], "argument --bucket_mb: -1 is negative"),
+    (["--model", "tfrs_retrieval"], "--model tfrs_retrieval runs on tf-keras, TFRS's Keras: add --keras tf_keras"),
 ])
 def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
     code = ("import sys\nfrom tfdist.benchmark import run\n"

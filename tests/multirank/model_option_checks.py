@@ -1,13 +1,16 @@
 """Today's models under every exchange option, as their users write them: KerasHub's BERT classifier
-and GPT-2 causal LM (small configs, no weights; Keras 3 only) and a two-tower recommender with two
-large embedding tables (sparse tf.IndexedSlices gradients; both flavours).
+and GPT-2 causal LM (small configs, no weights; Keras 3 only), a two-tower recommender with two
+large embedding tables (sparse tf.IndexedSlices gradients; both flavours) and TensorFlow
+Recommenders' retrieval model (tf-keras; with tensorflow-recommenders installed).
 
     horovodrun -np 2 python tests/multirank/model_option_checks.py --out DIR
     python tests/multirank/model_option_checks.py --out DIR --reference     # 1 process, plain Keras
 
 Each model trains one epoch at global batch 16 under HorovodStrategy() with each option in
-OPTIONS, compiled as COMPILE says for it (or, with --reference, with no strategy and Keras'
-defaults, also writing DIR/<model>.initial.rank0.npz).
+OPTIONS (TFRS's: ONLY_OPTIONS), compiled as COMPILE says for it (or, with --reference, with no
+strategy and Keras' defaults, also writing DIR/<model>.initial.rank0.npz). TFRS's reference is
+MirroredStrategy over 2 logical CPUs in one process: its in-batch negatives are each replica's,
+under every strategy, so one process at the global batch is not what 2 replicas compute.
 Each rank writes DIR/<model>.<option>.rank<R>.npz (the final weights) and DIR/rank<R>.json: per
 case the steps, the calls of the step function (the batch-end hook's) and the optimizer's state
 bytes on this rank.
@@ -29,6 +32,7 @@ KERAS3 = keras.__name__ == "keras"
 OPTIONS = {"default": {}, "sharded": {"shard_optimizer_state": True}, "one_group": {"bucket_mb": 0},
            "buckets": {"bucket_mb": 1}, "bf16": {"compression": "bf16"}, "two_per_call": {}}
 COMPILE = {"two_per_call": {"steps_per_execution": 2}}  # Keras' remedy for per-step Python, as users set it
+ONLY_OPTIONS = {"tfrs": ("default", "sharded", "two_per_call")}  # the sparse paths' options: two_tower's
 EXAMPLES, GLOBAL_BATCH, SEQUENCE, VOCABULARY, TABLE = 64, 16, 8, 100, 50_000
 
 
@@ -80,7 +84,36 @@ def two_tower():
         rng.integers(0, 2, (EXAMPLES, 1)).astype("float32")
 
 
-MODELS = {"bert": bert, "gpt2": gpt2, "two_tower": two_tower} if KERAS3 else {"two_tower": two_tower}
+def tfrs():
+    """TFRS's retrieval model as its tutorial writes it: two towers meeting in tfrs.tasks.Retrieval."""
+    import tensorflow_recommenders as tfrs
+
+    class Retrieval(tfrs.Model):
+        def __init__(self):
+            super().__init__()
+            self.users = keras.Sequential([keras.layers.Embedding(500, 16), keras.layers.Dense(16)])
+            self.items = keras.layers.Embedding(TABLE, 16)  # sparse gradients beside the users' dense ones
+            self.task = tfrs.tasks.Retrieval()
+            self.users.build((None,))
+            self.items.build((None,))
+
+        def compute_loss(self, inputs, training=False):
+            features = inputs[0] if isinstance(inputs, tuple) else inputs  # fit(x) hands over (x,)
+            return self.task(self.users(features["user"]), self.items(features["item"]))
+
+    rng = np.random.default_rng(4)
+    x = {"user": rng.integers(0, 500, EXAMPLES).astype("int32"), "item": rng.integers(0, TABLE, EXAMPLES).astype("int32")}
+    return Retrieval(), keras.optimizers.Adagrad(0.1), None, x, None
+
+
+def has_tfrs():
+    import importlib.util
+
+    return importlib.util.find_spec("tensorflow_recommenders") is not None
+
+
+MODELS = {"bert": bert, "gpt2": gpt2, "two_tower": two_tower} if KERAS3 else \
+    {"two_tower": two_tower, **({"tfrs": tfrs} if has_tfrs() else {})}
 
 
 def train(name, strategy, seed, out=None, option=None):
@@ -118,7 +151,11 @@ def main():
     if args.reference:
         import tensorflow as tf
 
-        cases = {(name, "reference"): train(name, tf.distribute.get_strategy(), 100, args.out) for name in MODELS}
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # TFRS's: 2 replicas, in-batch negatives each
+        cases = {(name, "reference"): train(name, mirrored if name == "tfrs" else tf.distribute.get_strategy(), 100,
+                                            args.out) for name in MODELS}
         rank = 0
     else:
         import tfdist
@@ -126,7 +163,7 @@ def main():
         strategies = {option: tfdist.HorovodStrategy(tuning=False, **kwargs) for option, kwargs in OPTIONS.items()}
         rank = strategies["default"].rank
         cases = {(name, option): train(name, strategy, seed=100 + rank, option=option)  # the broadcast aligns ranks
-                 for name in MODELS for option, strategy in strategies.items()}
+                 for name in MODELS for option, strategy in strategies.items() if option in ONLY_OPTIONS.get(name, OPTIONS)}
     results = {}
     for (name, option), (model, facts) in cases.items():
         np.savez(os.path.join(args.out, f"{name}.{option}.rank{rank}.npz"),

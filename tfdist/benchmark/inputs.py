@@ -9,7 +9,7 @@ dataset, source, plan = input_dataset(PARSER.parse_args(["--model", "mnist_cnn",
 
 import argparse
 
-from tfdist.benchmark.models import synthetic_input
+from tfdist.benchmark.models import synthetic_description, synthetic_input
 
 
 def input_dataset(args, input_context=None, training=True):
@@ -21,7 +21,7 @@ def input_dataset(args, input_context=None, training=True):
     if not args.data_dir:
         ds = preprocessing.synthetic_dataset(args.batch_size, image_size=args.image_size,
                                              num_classes=args.num_classes)
-        return ds, "synthetic (one batch made once, no I/O)", None
+        return ds, synthetic_description(args.model), None
     mapper = preprocessing.example_mapper(training=training, image_size=args.image_size)
     source = args.data_dir if training else args.eval_dir
     ds, plan = read_dataset(source, args.batch_size, input_context=input_context, training=training,

@@ -14,8 +14,10 @@
   (`tfdist.benchmark.transformers`); the benchmark reports tokens/s and model FLOPs for them.
 - two_tower: a recommender over two Embedding(200_000, 64) tables (`tfdist.benchmark.recommenders`):
   a short step whose gradients are mostly sparse.
+- tfrs_retrieval: TensorFlow Recommenders' retrieval model (tf-keras; tensorflow-recommenders
+  installed), in-batch softmax over MovieLens 100K-sized embeddings (`tfdist.benchmark.recommenders`).
 
-Every model ends in a float32 softmax (`tfdist.precision.float32_softmax`), so mixed precision
+Every model but tfrs_retrieval (whose loss is TFRS's) ends in a float32 softmax (`tfdist.precision.float32_softmax`), so mixed precision
 keeps the loss in float32.
 """
 
@@ -49,12 +51,29 @@ def synthetic_input(name, batch_size, seq_len):
     """(dataset, description) of the synthetic input of a model that takes no images; None for image models."""
     if transformers.is_token_model(name):
         vocabulary = transformers.CONFIGS[name]["vocabulary"]
-        return (transformers.synthetic_tokens(batch_size, seq_len, vocabulary),
-                "synthetic tokens (one batch made once, no I/O)")
+        return transformers.synthetic_tokens(batch_size, seq_len, vocabulary), synthetic_description(name)
     if recommenders.is_id_model(name):
-        return (recommenders.synthetic_ids(batch_size, recommenders.CONFIGS[name]["rows"]),
-                f"synthetic ids ({recommenders.BATCHES} batches made once, cycled, no I/O)")
+        config = recommenders.CONFIGS[name]
+        return (recommenders.synthetic_ids(batch_size, config["rows"], user_rows=config.get("user_rows")),
+                synthetic_description(name))
     return None
+
+
+def training_loss(keras, name):
+    """The loss that loops outside fit minimise for model `name`: a function of (model, features, labels)."""
+    if name == "tfrs_retrieval":  # TFRS computes its loss from the inputs, in compute_loss
+        return lambda model, features, labels: model.compute_loss((features, labels), training=True)
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    return lambda model, features, labels: loss(labels, model(features, training=True))
+
+
+def synthetic_description(name):
+    """What the synthetic input of model `name` is, as the benchmark's header says."""
+    if transformers.is_token_model(name):
+        return "synthetic tokens (one batch made once, no I/O)"
+    if recommenders.is_id_model(name):
+        return f"synthetic ids ({recommenders.BATCHES} batches made once, cycled, no I/O)"
+    return "synthetic (one batch made once, no I/O)"
 
 
 def build_model(keras, name, image_size, num_classes, seq_len=128):

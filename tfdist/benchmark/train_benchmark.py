@@ -32,7 +32,8 @@ from tfdist.benchmark import argtypes
 from tfdist.tuning import startup
 from tfdist.benchmark import thread_cpu, transformers
 from tfdist.benchmark.inputs import distributed_input, input_dataset
-from tfdist.benchmark.models import MODELS, build_model, model_name, synthetic_only
+from tfdist.benchmark.models import (MODELS, build_model, model_name, synthetic_description, synthetic_only,
+                                     training_loss)
 from tfdist.benchmark.modes import mwms_tf_config, start
 from tfdist.benchmark.timing import StepTimer, accuracy_summary, report
 
@@ -190,13 +191,13 @@ def run_horovod_loop(args, keras, processes=None):
 
     model = build_model(keras, args.model, args.image_size, args.num_classes, args.seq_len)
     optimizer = make_optimizer(keras, args, args.learning_rate * hvd.size())
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    loss_fn = training_loss(keras, args.model)
     ds, source, _ = input_dataset(args)
 
     @tf.function
     def step(images, labels, first):
         with tf.GradientTape() as tape:
-            loss = loss_fn(labels, model(images, training=True))
+            loss = loss_fn(model, images, labels)
         tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -263,6 +264,8 @@ def main():
         PARSER.error(f"--model {args.model} trains on synthetic inputs: no --data_dir or --epochs")
     if args.shard_optimizer_state and args.variable_update != "tfdist":
         PARSER.error(f"--shard_optimizer_state is for --variable_update tfdist, not {args.variable_update}")
+    if args.model == "tfrs_retrieval" and args.keras != "tf_keras":
+        PARSER.error("--model tfrs_retrieval runs on tf-keras, TFRS's Keras: add --keras tf_keras")
     if args.precision == "auto" and args.variable_update != "tfdist":
         PARSER.error(f"--precision auto is for --variable_update tfdist; name a policy for {args.variable_update}")
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
@@ -298,7 +301,7 @@ def main():
         + (f", oneDNN limited to ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}" if os.environ.get("ONEDNN_MAX_CPU_ISA") else ""),
         f"Mode: {args.variable_update}  ranks: {size}  batch/replica: {args.batch_size}  "
         f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  xla: {args.xla}",
-        f"Data: {args.data_dir or 'synthetic (one batch made once, no I/O)'}",
+        f"Data: {args.data_dir or synthetic_description(args.model)}",
         *([f"Tokens: {args.seq_len} a sequence, {global_batch * args.seq_len} a step; model FLOPs a training "
            f"token: {transformers.train_flops_per_token(args.model, args.seq_len) / 1e6:.1f} M; optimizer: "
            f"{args.optimizer}{', sharded state' if args.shard_optimizer_state else ''}"]

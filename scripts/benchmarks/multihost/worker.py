@@ -65,6 +65,10 @@ def benchmark_args(args):
 
 def main():
     args = PARSER.parse_args()
+    if args.mode == "horovod_fit" and args.model == "tfrs_retrieval":
+        # its train_step takes gradients from a tape: Horovod's optimizer would not average them
+        PARSER.error("--model tfrs_retrieval: horovod_fit trains each rank alone (hvd.DistributedOptimizer "
+                     "averages only gradients it computes; TFRS's train_step uses its own tape): use horovod")
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
     import tfdist  # noqa: F401  (early settings: the parent set threads; taskset set the core)
     import tensorflow as tf
@@ -146,13 +150,13 @@ def gradient_bytes(keras, bargs, legacy):
     import tensorflow as tf
 
     from tfdist.benchmark.inputs import input_dataset
-    from tfdist.benchmark.models import build_model
+    from tfdist.benchmark.models import build_model, training_loss
     from tfdist.exchange.gradients import merge_repeated_rows
 
     model = build_model(keras, bargs.model, bargs.image_size, bargs.num_classes)
     features, labels = next(iter(input_dataset(bargs)[0]))
     with tf.GradientTape() as tape:
-        loss = keras.losses.SparseCategoricalCrossentropy()(labels, model(features, training=True))
+        loss = training_loss(keras, bargs.model)(model, features, labels)
     dense = sparse = 0
     for g in tape.gradient(loss, model.trainable_variables):
         if isinstance(g, tf.IndexedSlices):
