@@ -10,7 +10,8 @@ Each model trains one epoch at global batch 16 under HorovodStrategy() with each
 OPTIONS (TFRS's: ONLY_OPTIONS), compiled as COMPILE says for it (or, with --reference, with no
 strategy and Keras' defaults, also writing DIR/<model>.initial.rank0.npz). TFRS's reference is
 MirroredStrategy over 2 logical CPUs in one process: its in-batch negatives are each replica's,
-under every strategy, so one process at the global batch is not what 2 replicas compute.
+under every strategy, so one process at the global batch is not what 2 replicas compute; with
+every replica's candidates gathered (tfrs_global) it is, and the reference is one process again.
 Each rank writes DIR/<model>.<option>.rank<R>.npz (the final weights) and DIR/rank<R>.json: per
 case the steps, the calls of the step function (the batch-end hook's) and the optimizer's state
 bytes on this rank.
@@ -32,7 +33,7 @@ KERAS3 = keras.__name__ == "keras"
 OPTIONS = {"default": {}, "sharded": {"shard_optimizer_state": True}, "one_group": {"bucket_mb": 0},
            "buckets": {"bucket_mb": 1}, "bf16": {"compression": "bf16"}, "two_per_call": {}}
 COMPILE = {"two_per_call": {"steps_per_execution": 2}}  # Keras' remedy for per-step Python, as users set it
-ONLY_OPTIONS = {"tfrs": ("default", "sharded", "two_per_call")}  # the sparse paths' options: two_tower's
+ONLY_OPTIONS = {"tfrs": ("default", "sharded", "two_per_call"), "tfrs_global": ("default",)}  # the rest: two_tower's
 EXAMPLES, GLOBAL_BATCH, SEQUENCE, VOCABULARY, TABLE = 64, 16, 8, 100, 50_000
 
 
@@ -84,8 +85,11 @@ def two_tower():
         rng.integers(0, 2, (EXAMPLES, 1)).astype("float32")
 
 
-def tfrs():
-    """TFRS's retrieval model as its tutorial writes it: two towers meeting in tfrs.tasks.Retrieval."""
+def tfrs(global_negatives=False):
+    """TFRS's retrieval model as its tutorial writes it: two towers meeting in tfrs.tasks.Retrieval.
+    With `global_negatives`, LIMITS.md's recipe instead: every replica's candidates gathered, so each
+    query meets the global batch's, as in one process."""
+    import tensorflow as tf
     import tensorflow_recommenders as tfrs
 
     class Retrieval(tfrs.Model):
@@ -94,12 +98,20 @@ def tfrs():
             self.users = keras.Sequential([keras.layers.Embedding(500, 16), keras.layers.Dense(16)])
             self.items = keras.layers.Embedding(TABLE, 16)  # sparse gradients beside the users' dense ones
             self.task = tfrs.tasks.Retrieval()
+            self.softmax = keras.losses.CategoricalCrossentropy(from_logits=True, reduction="sum")  # Retrieval's
             self.users.build((None,))
             self.items.build((None,))
 
         def compute_loss(self, inputs, training=False):
             features = inputs[0] if isinstance(inputs, tuple) else inputs  # fit(x) hands over (x,)
-            return self.task(self.users(features["user"]), self.items(features["item"]))
+            queries, candidates = self.users(features["user"]), self.items(features["item"])
+            if not global_negatives:
+                return self.task(queries, candidates)
+            context = tf.distribute.get_replica_context()
+            everyone = context.all_gather(candidates, axis=0)  # replicas in order, equal batches
+            first = tf.cast(context.replica_id_in_sync_group, tf.int32) * tf.shape(queries)[0]
+            labels = tf.one_hot(first + tf.range(tf.shape(queries)[0]), tf.shape(everyone)[0])
+            return self.softmax(labels, tf.matmul(queries, everyone, transpose_b=True))
 
     rng = np.random.default_rng(4)
     x = {"user": rng.integers(0, 500, EXAMPLES).astype("int32"), "item": rng.integers(0, TABLE, EXAMPLES).astype("int32")}
@@ -113,7 +125,7 @@ def has_tfrs():
 
 
 MODELS = {"bert": bert, "gpt2": gpt2, "two_tower": two_tower} if KERAS3 else \
-    {"two_tower": two_tower, **({"tfrs": tfrs} if has_tfrs() else {})}
+    {"two_tower": two_tower, **({"tfrs": tfrs, "tfrs_global": lambda: tfrs(global_negatives=True)} if has_tfrs() else {})}
 
 
 def train(name, strategy, seed, out=None, option=None):
