@@ -85,6 +85,21 @@ def test_seed_starts_runs_alike_and_another_seed_differently(tmp_path):
     assert losses[0][0] != losses[2][0], losses
 
 
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+def test_steps_per_execution_times_each_call_as_its_steps(tmp_path, flavour):
+    """Keras' batch hooks fire once a call: 6 steps at 2 a call are 3 calls, each split in 2 steps."""
+    result = tmp_path / "spe.json"
+    out = script("tfdist-benchmark", ["--model", "mnist_cnn", "--image_size", "16", "--num_classes", "10",
+                                      "--batch_size", "4", "--num_warmup_batches", "2", "--num_batches", "4",
+                                      "--display_every", "2", "--steps_per_execution", "2", "--keras", flavour,
+                                      "--variable_update", "none", "--json", result])
+    assert "steps a call: 2" in out
+    data = json.loads(result.read_text())
+    times, losses = data["step_seconds"], data["step_losses"]
+    assert len(times) == 6 and times[0::2] == times[1::2] and losses[0::2] == losses[1::2], data
+    assert len(set(times)) == 3 and data["total_images_per_sec"] > 0
+
+
 @pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])  # tf-keras failed: no validation step count
 def test_accuracy_run_reports_global_test_accuracy_and_time_to_target(tmp_path, flavour):
     script("examples/make_digits_dataset.py", [tmp_path / "digits", "--size", "16"])
@@ -316,6 +331,9 @@ def test_resnet20_has_the_cifar_resnets_size():
     (["--bucket_mb", "0", "--variable_update", "mwms"], "--bucket_mb is for --variable_update tfdist, not mwms"),
     (["--bucket_mb", "-1"], "argument --bucket_mb: -1 is negative"),
     (["--model", "tfrs_retrieval"], "--model tfrs_retrieval runs on tf-keras, TFRS's Keras: add --keras tf_keras"),
+    (["--steps_per_execution", "4", "--num_warmup_batches", "2"],
+     "--steps_per_execution 4: --num_warmup_batches (2) and --num_batches (10) must be multiples of it"),
+    (["--steps_per_execution", "2", "--variable_update", "horovod"], "--steps_per_execution is for the Keras modes"),
 ])
 def test_bad_arguments_fail_at_parse_time_before_tensorflow_loads(args, expect):
     code = ("import sys\nfrom tfdist.benchmark import run\n"

@@ -22,11 +22,13 @@ class StepTimer:
     (`thread_cpu.per_step`) from the start of step a + 1 to the end of step b, as `thread_cpu`,
     and that of each process in `processes` ({name: pid}, e.g. an emulated link's) by its name;
     `thread_cpu` stays None where /proc cannot be read. `thread_cpu_by_name` is this process's
-    CPU a step by thread name (`thread_cpu.by_name`).
+    CPU a step by thread name (`thread_cpu.by_name`). With `steps_per_call` N (Keras'
+    `steps_per_execution`, whose batch hooks fire once a call) each begin/end pair times N steps:
+    the call's time and its loss count N times, the time split evenly.
     """
 
-    def __init__(self, cpu_steps=None, processes=None):
-        self.times, self.losses, self._start = [], [], None
+    def __init__(self, cpu_steps=None, processes=None, steps_per_call=1):
+        self.times, self.losses, self._start, self.steps_per_call = [], [], None, steps_per_call
         self.cpu_steps, self.processes, self.thread_cpu, self._before = cpu_steps, processes or {}, None, None
         self.thread_cpu_by_name = None
 
@@ -36,8 +38,9 @@ class StepTimer:
         self._start = time.perf_counter()
 
     def end(self, loss):
-        self.losses.append(float(loss))
-        self.times.append(time.perf_counter() - self._start)
+        elapsed = time.perf_counter() - self._start
+        self.losses.extend([float(loss)] * self.steps_per_call)
+        self.times.extend([elapsed / self.steps_per_call] * self.steps_per_call)
         if self.cpu_steps and len(self.times) == self.cpu_steps[1] and self._before and self._before[None]:
             after, steps = self._snapshots(), self.cpu_steps[1] - self.cpu_steps[0]
             self.thread_cpu = thread_cpu.per_step(self._before[None], after[None], steps)

@@ -28,11 +28,11 @@ import os
 import sys
 import time
 
-from tfdist.benchmark import argtypes
+from tfdist.benchmark import arg_checks, argtypes
 from tfdist.tuning import startup
 from tfdist.benchmark import thread_cpu, transformers
 from tfdist.benchmark.inputs import distributed_input, input_dataset
-from tfdist.benchmark.models import (MODELS, build_model, model_name, synthetic_description, synthetic_only,
+from tfdist.benchmark.models import (MODELS, build_model, model_name, synthetic_description,
                                      training_loss)
 from tfdist.benchmark.modes import mwms_tf_config, start
 from tfdist.benchmark.timing import StepTimer, accuracy_summary, report
@@ -68,6 +68,9 @@ PARSER.add_argument("--lr_decay", choices=["none", "polynomial"], default="none"
 PARSER.add_argument("--precision", default="float32",
                     choices=["float32", "mixed_float16", "mixed_bfloat16", "fp16", "bf16", "auto"],
                     help="fp16/bf16: mixed_float16/mixed_bfloat16; auto: tfdist only (HorovodStrategy picks by hardware)")
+PARSER.add_argument("--steps_per_execution", type=argtypes.positive_int, default=1,
+                    help="Keras modes: steps a call of the step function (compile's); each call's time is split "
+                    "evenly over its steps, so the warm-up and timed batches must be multiples of it")
 PARSER.add_argument("--xla", action="store_true", help="jit_compile the train step (on 2+ ranks XLA compiles around the allreduce)")
 PARSER.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                     help="auto: this rank's GPU where one is visible, else the CPU; gpu: fail, naming what "
@@ -109,7 +112,7 @@ def run_keras_fit(args, keras, strategy, rank, horovod=None, processes=None):
     The timer takes the CPU a timed step of this process's threads and of `processes` ({name: pid})."""
     import contextlib
 
-    timer = StepTimer(None if args.epochs else timed_steps(args), processes)
+    timer = StepTimer(None if args.epochs else timed_steps(args), processes, steps_per_call=args.steps_per_execution)
 
     class Timing(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -135,6 +138,7 @@ def run_keras_fit(args, keras, strategy, rank, horovod=None, processes=None):
         optimizer = horovod.DistributedOptimizer(optimizer) if horovod else optimizer
         model.compile(optimizer=optimizer,
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla,
+                      steps_per_execution=args.steps_per_execution,
                       metrics=["accuracy"] if args.epochs else None)
     keep_iterators(model)
     fit_callbacks = [Timing()] + ([horovod.callbacks.BroadcastGlobalVariablesCallback(0)] if horovod else [])
@@ -237,37 +241,7 @@ def main():
     """The tfdist-benchmark command: parse, run, print and write the results, then end the process (_exit_now)."""
     args = PARSER.parse_args()
     args.precision = {"fp16": "mixed_float16", "bf16": "mixed_bfloat16"}.get(args.precision, args.precision)
-    if args.variable_update in ("horovod", "mwms"):
-        args.keras = "tf_keras"
-    if args.epochs and not args.data_dir:
-        PARSER.error("--epochs needs --data_dir (a real dataset to reach an accuracy on)")
-    if args.lr_decay != "none" and not args.epochs:
-        PARSER.error("--lr_decay needs --epochs (it decays to 0 at the last step of the last epoch)")
-    if args.epochs and args.variable_update in ("horovod", "mwms"):
-        PARSER.error(f"--epochs (accuracy runs) is for --variable_update tfdist or none, not {args.variable_update}")
-    if args.compression:
-        from tfdist.exchange import compression_plan
-
-        try:
-            compression_plan.parse(args.compression)
-        except ValueError as e:
-            PARSER.error(f"--compression: {e}")
-        if args.variable_update != "tfdist":
-            PARSER.error(f"--compression is for --variable_update tfdist, not {args.variable_update}")
-    if args.profile_steps and not args.profile_dir:
-        PARSER.error("--profile_steps needs --profile_dir (where to write the profile)")
-    if args.bucket_mb is not None and args.variable_update != "tfdist":
-        PARSER.error(f"--bucket_mb is for --variable_update tfdist, not {args.variable_update}")
-    if args.loss_scale and args.variable_update == "horovod":
-        PARSER.error("--loss_scale is for the Keras modes (tfdist, mwms, none), not Horovod's own loop")
-    if synthetic_only(args.model) and (args.data_dir or args.epochs):
-        PARSER.error(f"--model {args.model} trains on synthetic inputs: no --data_dir or --epochs")
-    if args.shard_optimizer_state and args.variable_update != "tfdist":
-        PARSER.error(f"--shard_optimizer_state is for --variable_update tfdist, not {args.variable_update}")
-    if args.model == "tfrs_retrieval" and args.keras != "tf_keras":
-        PARSER.error("--model tfrs_retrieval runs on tf-keras, TFRS's Keras: add --keras tf_keras")
-    if args.precision == "auto" and args.variable_update != "tfdist":
-        PARSER.error(f"--precision auto is for --variable_update tfdist; name a policy for {args.variable_update}")
+    arg_checks.check(args, PARSER.error)
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.variable_update != "tfdist" or args.no_tuning:
@@ -300,7 +274,8 @@ def main():
         f"Hardware: {os.cpu_count()} CPUs ({cpu_model()}), GPUs: {len(tf.config.list_physical_devices('GPU'))}"
         + (f", oneDNN limited to ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}" if os.environ.get("ONEDNN_MAX_CPU_ISA") else ""),
         f"Mode: {args.variable_update}  ranks: {size}  batch/replica: {args.batch_size}  "
-        f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  xla: {args.xla}",
+        f"global batch: {global_batch}  precision: {keras.mixed_precision.global_policy().name}  xla: {args.xla}"
+        + (f"  steps a call: {args.steps_per_execution}" if args.steps_per_execution > 1 else ""),
         f"Data: {args.data_dir or synthetic_description(args.model)}",
         *([f"Tokens: {args.seq_len} a sequence, {global_batch * args.seq_len} a step; model FLOPs a training "
            f"token: {transformers.train_flops_per_token(args.model, args.seq_len) / 1e6:.1f} M; optimizer: "
