@@ -216,6 +216,9 @@ def test_values_are_swapped_through_the_store_and_a_missing_rank_is_named():
             rendezvous.exchange("127.0.0.1", port, "t", 0, 3, "x", timeout=0.5)
     finally:
         server.stop()
+    with pytest.raises(LaunchError, match=f"rank 1 could not reach the rendezvous store at 127.0.0.1:{port} within "
+                                          "0.5 s to publish its s value"):
+        rendezvous.exchange("127.0.0.1", port, "s", 1, 2, "v1", timeout=0.5)
 
 
 def test_mwms_benchmark_workers_take_ports_the_os_gives(monkeypatch):

@@ -143,17 +143,25 @@ def exchange(addr, port, scope, rank, size, value, timeout):
     """Every rank's `value` (a str), in rank order, through the rendezvous store at addr:port (Horovod's
     Gloo rendezvous under horovodrun --gloo and tfdist-run): this rank's is published under `scope`."""
     url = f"http://{_url_host(addr)}:{port}/{scope}/"
-    _http("PUT", url + str(rank), value.encode())
     deadline = time.monotonic() + timeout
-    values = {}
+    values, published, last_error = {}, False, None
     while True:
-        for other in set(range(size)) - set(values):
-            got = _http("GET", url + str(other))
-            if got is not None:
-                values[other] = got.decode()
+        try:
+            if not published:
+                _http("PUT", url + str(rank), value.encode())
+                published = True
+            for other in set(range(size)) - set(values):
+                got = _http("GET", url + str(other))
+                if got is not None:
+                    values[other] = got.decode()
+        except (OSError, urllib.error.URLError) as e:
+            last_error = e
         if len(values) == size:
             return [values[r] for r in range(size)]
         if time.monotonic() > deadline:
+            if not published:
+                raise LaunchError(f"rank {rank} could not reach the rendezvous store at {addr}:{port} within "
+                                  f"{timeout:g} s to publish its {scope} value: {last_error}")
             missing = sorted(set(range(size)) - set(values))
             raise LaunchError(f"rank {rank}: after {timeout:g} s rank(s) {_short(missing)} of {size} had not "
                               f"published their {scope} value at the rendezvous {addr}:{port} (did they start?)")
