@@ -222,6 +222,8 @@ def test_values_are_swapped_through_the_store_and_a_missing_rank_is_named():
 
 
 def test_mwms_benchmark_workers_take_ports_the_os_gives(monkeypatch):
+    # (TF_CONFIG through monkeypatch.setenv only: delenv of an unset variable records nothing, so
+    # the TF_CONFIG this sets leaked into the next test's tfdist-run job)
     """Not the ports after Gloo's rendezvous port, as they once were: another process held one of
     them in CI ("Could not start gRPC server")."""
     from tfdist.benchmark import modes
@@ -236,13 +238,13 @@ def test_mwms_benchmark_workers_take_ports_the_os_gives(monkeypatch):
                             "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
                             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port)}.items():
             monkeypatch.setenv(name, value)
-        monkeypatch.delenv("TF_CONFIG", raising=False)
+        monkeypatch.setenv("TF_CONFIG", "")  # unset for tfdist; restored (unset) when the test ends
         modes.mwms_tf_config(timeout=5)
         (worker,) = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
         with socket.socket() as probe:
             probe.bind(("", int(worker.split(":")[1])))  # free, unlike port + 1
         monkeypatch.delenv("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-        monkeypatch.delenv("TF_CONFIG")
+        monkeypatch.setenv("TF_CONFIG", "")
         with pytest.raises(SystemExit, match="launch with horovodrun --gloo or tfdist-run, or set TF_CONFIG"):
             modes.mwms_tf_config()
     finally:
