@@ -43,7 +43,7 @@ def check(args, error):
             error("--steps_per_execution is for the Keras modes (tfdist, mwms, none), not Horovod's own loop")
         if args.num_warmup_batches % args.steps_per_execution or args.num_batches % args.steps_per_execution:
             error(f"--steps_per_execution {args.steps_per_execution}: --num_warmup_batches "
-                         f"({args.num_warmup_batches}) and --num_batches ({args.num_batches}) must be multiples of it")
+                  f"({args.num_warmup_batches}) and --num_batches ({args.num_batches}) must be multiples of it")
         if args.profile_dir:
             error("--steps_per_execution with --profile_dir: the profiled steps are not a call's (not supported)")
     if args.model == "tfrs_retrieval" and args.keras != "tf_keras":

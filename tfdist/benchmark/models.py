@@ -17,8 +17,8 @@
 - tfrs_retrieval: TensorFlow Recommenders' retrieval model (tf-keras; tensorflow-recommenders
   installed), in-batch softmax over MovieLens 100K-sized embeddings (`tfdist.benchmark.recommenders`).
 
-Every model but tfrs_retrieval (whose loss is TFRS's) ends in a float32 softmax (`tfdist.precision.float32_softmax`), so mixed precision
-keeps the loss in float32.
+Every model but tfrs_retrieval (whose loss is TFRS's) ends in a float32 softmax
+(`tfdist.precision.float32_softmax`), so mixed precision keeps the loss in float32.
 """
 
 from tfdist.benchmark import recommenders, transformers
