@@ -153,12 +153,31 @@ def test_cleanup_on_signal(sig):
         names = proc.stdout.readline().split()
         assert len(names) == 3
         proc.send_signal(sig)
-        assert proc.wait(timeout=30) != 0
+        try:  # the cleanup's own `ip` commands may take up to 30 s each (emulate_hosts._run)
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no exit 90 s after {sig.name}; still running under it: {_children(proc.pid)}")
+        assert code != 0
     finally:
         if proc.poll() is None:
             proc.kill()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert not [ns for ns in names if ns in listed] and not any(os.path.exists(f"/etc/netns/{ns}") for ns in names)
+
+
+def _children(pid):
+    """The command lines of `pid`'s child processes (what a cleanup that does not end waits on)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found.append(f.read().replace(b"\0", b" ").decode(errors="replace").strip())
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(set(found)) or "no child process"
 
 
 @needs_namespaces
