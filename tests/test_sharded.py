@@ -7,7 +7,10 @@ two: 2 ranks (every case, every save) and one plain process (every case, the 2-r
 and resumed there). Every rank's
 weights must equal one process's within 1e-5, every optimizer with state must hold it in slices
 (its slots are sharded, and Adam's state bytes are at most 1/N of one process's + 10%), and the
-clips must matter (the unclipped reference differs by more than 0.01).
+clips must matter (the unclipped reference differs by more than 0.01). The sparse cases' embedding
+(50 rows: cut between rows on 2 ranks, flat on 4) travels as its changed rows under plain SGD,
+Adagrad and an Adam that asks for them (one rows allgather each in the step's graph), and every
+rank must still equal one process.
 """
 
 import shutil
@@ -19,6 +22,7 @@ from conftest import ROOT, flavor_env, run_job
 
 WORKER = ROOT / "tests" / "multirank" / "sharded_checks.py"
 ENV = flavor_env("keras3")
+ROW_LOCAL = ("sparse_sgd", "sparse_adagrad", "sparse_adam_changed_rows")  # their tables send changed rows
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,11 @@ def test_every_case_equals_one_process_with_sharded_state(flavor, ranks, request
             if not got["whole_slots"] and want["bytes"] > 12:  # (accumulators and EMA averages stay whole)
                 assert got["bytes"] <= want["bytes"] / ranks * 1.1, (case, rank, got["bytes"], want["bytes"])
         worst[case] = _largest_difference(first["weights"], want["weights"])
-    assert "adam" in worst and "sparse_adam" in worst and (ranks == 4 or "lars" in worst and "sparse_lars" in worst)
+        row_local = sum(name in ROW_LOCAL for name in results[0]["cases"])  # cases sharing the sparse step
+        assert first.get("rows_gathers_in_step", 0) == (row_local if case.startswith("sparse_") else 0), (
+            f"{case}: each row-local optimizer's embedding must send its changed rows (one allgather each)")
+    assert "adam" in worst and "sparse_adam" in worst and "sparse_sgd" in worst and (
+        ranks == 4 or "lars" in worst and "sparse_lars" in worst)
     assert flavor != "tf_keras" or "sparse_adam_own_deduplication" in worst  # a subclass's own summing followed
     print(f"\n{flavor}, {ranks} ranks, largest difference from one process: "
           + ", ".join(f"{case} {value:.1e}" for case, value in worst.items()))
@@ -174,3 +182,22 @@ def test_the_partition_covers_every_element_once():
             assert owned == list(range(elements)), (elements, ranks)
             assert shard_plan.padded_length(elements, ranks) >= elements
             assert shard_plan.padded_length(elements, ranks) - elements < ranks
+
+
+def test_a_variable_of_many_rows_is_cut_between_rows_and_keeps_its_row_shape():
+    from tfdist.exchange import shard_plan
+
+    for shape in ([200_000, 64], [1001, 3], [50, 4], [64, 2, 5], [3, 3, 64, 128], [1000]):
+        for ranks in (1, 2, 3, 4, 8):
+            elements, row = int(np.prod(shape)), shard_plan.row_elements(shape, ranks)
+            many_rows = len(shape) > 1 and shape[0] >= shard_plan.ROWS_PER_RANK * ranks
+            assert row == (int(np.prod(shape[1:])) if many_rows else 1), (shape, ranks)
+            ranges = [shard_plan.owned_range(elements, ranks, r, row) for r in range(ranks)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == elements, (shape, ranks)
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), (shape, ranks)  # no gap, no overlap
+            assert all(start % row == 0 for start, _ in ranges), (shape, ranks)  # each slice starts on a row
+            padding = shard_plan.padded_length(elements, ranks, row) - elements
+            assert 0 <= padding < ranks * row and padding <= elements / shard_plan.ROWS_PER_RANK + ranks
+            want = [shard_plan.slice_length(elements, ranks, row)] if row == 1 else [
+                shard_plan.slice_length(elements, ranks, row) // row, *shape[1:]]
+            assert shard_plan.slice_shape(shape, ranks) == want, (shape, ranks)

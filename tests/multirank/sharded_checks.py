@@ -71,6 +71,7 @@ SPARSE_CASES = {
     "sparse_adam": lambda: K.Adam(0.01),
     "sparse_adamw": lambda: K.AdamW(0.01, weight_decay=0.1),
     "sparse_sgd_momentum": lambda: K.SGD(0.1, momentum=0.9),
+    "sparse_sgd": lambda: K.SGD(0.1),
     "sparse_adagrad": lambda: K.Adagrad(0.1),
     "sparse_lars": lambda: LARS(0.5, momentum=0.9, weight_decay=1e-3, eta=0.02),
     "sparse_adam_clipnorm": lambda: K.Adam(0.01, clipnorm=0.05),
@@ -89,8 +90,20 @@ if TF_KERAS:  # its EMA is refused under sharding (tests/test_sharded.py checks 
             return super()._deduplicate_sparse_grad(grads)
 
     SPARSE_CASES["sparse_adam_own_deduplication"] = lambda: _OwnDeduplication(0.01)
+
+
+class ChangedRowsAdam(K.Adam):
+    """Adam sent as changed rows (it changes every row it ever touched, so tfdist gathers its
+    whole slices): the rows are exact whatever the optimizer."""
+
+    tfdist_shardable = True
+    tfdist_row_local = True
+
+
+SPARSE_CASES["sparse_adam_changed_rows"] = lambda: ChangedRowsAdam(0.01)
 CLIPPED = ("adam_clipnorm", "sgd_global_clipnorm", "sgd_clipvalue")
-ON_FOUR_RANKS = ("adam", "lars", "sgd_global_clipnorm", "adam_accumulated", "sparse_adam", "sparse_adam_clipnorm")
+ON_FOUR_RANKS = ("adam", "lars", "sgd_global_clipnorm", "adam_accumulated", "sparse_adam", "sparse_adam_clipnorm",
+                 "sparse_sgd")  # (50 rows on 4 ranks are cut flat: rows split between ranks)
 WHOLE_SLOTS = ("adam_accumulated", "sgd_global_clipnorm_accumulated", "loss_scaled_accumulated", "adam_ema")
 
 
@@ -183,7 +196,10 @@ def loop_cases(strategy, cases, kind="dense", densify=False):
         for batch in batches:
             step(batch)
     seconds = (time.monotonic() - started) / len(pairs)
-    return {name: describe(name, model, optimizer, seconds) for name, (model, optimizer) in pairs.items()}
+    rows_gathers = sum("tfdist_sharded_rows_allgather" in op.name and "Allgather" in op.type
+                       for op in step.get_concrete_function(batch).graph.get_operations())  # in the step, all cases
+    return {name: {**describe(name, model, optimizer, seconds), "rows_gathers_in_step": rows_gathers}
+            for name, (model, optimizer) in pairs.items()}
 
 
 def loss_scale_skip(strategy):

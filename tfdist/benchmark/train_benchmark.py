@@ -45,8 +45,9 @@ PARSER.add_argument("--batch_size", type=argtypes.positive_int, default=32, help
 PARSER.add_argument("--image_size", type=argtypes.positive_int, default=224)
 PARSER.add_argument("--num_classes", type=argtypes.positive_int, default=1000)
 PARSER.add_argument("--seq_len", type=argtypes.positive_int, default=128, help="tokens a sequence (transformer models)")
-PARSER.add_argument("--optimizer", choices=["momentum", "adamw"], default="momentum",
-                    help="SGD with momentum 0.9 (tf_cnn_benchmarks'), or AdamW (what transformers train with)")
+PARSER.add_argument("--optimizer", choices=["momentum", "adamw", "sgd", "adagrad"], default="momentum",
+                    help="SGD with momentum 0.9 (tf_cnn_benchmarks'), AdamW (what transformers train with), "
+                    "plain SGD, or Adagrad (TFRS's tutorials': both update only the embedding rows looked up)")
 PARSER.add_argument("--matmul_gflops", type=argtypes.positive_float, help="this machine's matmul rate in the "
                     "run's precision (scripts/benchmarks/matmul_rate.py): transformer models report their "
                     "model FLOP rate as a fraction of it")
@@ -181,7 +182,9 @@ def run_keras_fit(args, keras, strategy, rank, horovod=None, processes=None):
 def make_optimizer(keras, args, learning_rate):
     if args.optimizer == "adamw":
         return keras.optimizers.AdamW(learning_rate, weight_decay=0.01)
-    return keras.optimizers.SGD(learning_rate, momentum=0.9)
+    if args.optimizer == "adagrad":
+        return keras.optimizers.Adagrad(learning_rate)
+    return keras.optimizers.SGD(learning_rate, momentum=0.9 if args.optimizer == "momentum" else 0.0)
 
 
 def timed_steps(args):

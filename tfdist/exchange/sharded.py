@@ -42,23 +42,29 @@ class VariableSlice:
         self.shape = tf.TensorShape(variable.shape)
         self.dtype = tf.as_dtype(variable.dtype)
         self.elements = self.shape.num_elements()
-        self.length = shard_plan.slice_length(self.elements, ranks)
+        self.row = shard_plan.row_elements(self.shape.as_list(), ranks)
+        self.length = shard_plan.slice_length(self.elements, ranks, self.row)
+        self.slice_shape = shard_plan.slice_shape(self.shape.as_list(), ranks)  # [length], or rows
         self.ranks, self.rank = ranks, rank
         self.path = getattr(variable, "path", None) or variable.name
         self.copy = None  # this rank's slice of the variable, which the optimizer updates
 
+    def owned_range(self):
+        """[start, stop) of the flat elements this rank owns."""
+        return shard_plan.owned_range(self.elements, self.ranks, self.rank, self.row)
+
     def take(self, whole):
         """This rank's slice (padded with zeros) of `whole`, a tensor or array of the variable's shape."""
         flat = tf.reshape(tf.convert_to_tensor(whole), [-1])
-        start, stop = shard_plan.owned_range(self.elements, self.ranks, self.rank)
+        start, stop = self.owned_range()
         mine = flat[start:stop]
         if stop - start < self.length:  # the padding of the last slices
             mine = tf.concat([mine, tf.zeros([self.length - (stop - start)], flat.dtype)], 0)
-        return mine
+        return tf.reshape(mine, self.slice_shape)
 
     def whole(self, gathered):
         """The variable's value from every rank's slices in rank order (padding dropped)."""
-        return tf.reshape(gathered[:self.elements], self.shape)
+        return tf.reshape(tf.reshape(gathered, [-1])[:self.elements], self.shape)
 
 
 class ShardedState:
@@ -91,7 +97,7 @@ class ShardedState:
         variable_slice = self.slices[key]
         if variable_slice.copy is None:
             name = variable_slice.path.replace(":", "_") + "_slice"
-            zeros = np.zeros([variable_slice.length], variable_slice.dtype.as_numpy_dtype)
+            zeros = np.zeros(variable_slice.slice_shape, variable_slice.dtype.as_numpy_dtype)
             copy = _compat.rank_local_variable(zeros, name)
             copy.path = variable_slice.path  # what optimizers match exclusion patterns against
             variable_slice.copy = copy
@@ -163,14 +169,14 @@ def reduce_scatter(grads, variables, bucket_bytes=None, compression=None):
         if not g.shape.is_fully_defined():
             g = tf.reshape(g, variable.shape)
         n = g.shape.num_elements()
-        padding = shard_plan.padded_length(n, ranks) - n
+        padding = shard_plan.padded_length(n, ranks, shard_plan.row_elements(variable.shape, ranks)) - n
         g = tf.reshape(g, [-1])
         dense.append(tf.concat([g, tf.zeros([padding], g.dtype)], 0) if padding else g)
     out = [None] * len(grads)
     scattered = _grouped(dense, bucket_bytes, lambda part: collectives.reducescatter(
         part, compression=compression, scope="tfdist_sharded_reducescatter"))
     for i, value in zip(dense_at, scattered):
-        out[i] = value
+        out[i] = tf.reshape(value, shard_plan.slice_shape(variables[i].shape, ranks))
     if sparse:
         gathered = collectives.allreduce([grads[i] for i in sparse], op="sum", scope="tfdist_sharded_sparse_gather")
         for i, summed in zip(sparse, gathered):
@@ -179,18 +185,25 @@ def reduce_scatter(grads, variables, bucket_bytes=None, compression=None):
 
 
 def owned_entries(slices, shape, ranks, rank):
-    """The entries of `slices` (row-sparse, of a variable of `shape`) that fall in `rank`'s flat
-    slice, as a `tf.IndexedSlices` over the slice's positions (duplicate rows kept apart)."""
+    """The entries of `slices` (row-sparse, of a variable of `shape`) that fall in `rank`'s
+    slice, as a `tf.IndexedSlices` over the slice (duplicate rows kept apart): its rows where the
+    plan cuts between rows, else each entry at its flat position."""
     shape = tf.TensorShape(shape)
     row = shape[1:].num_elements() if shape.rank > 1 else 1
     elements = shape.num_elements()
-    start, stop = shard_plan.owned_range(elements, ranks, rank)
+    plan_row = shard_plan.row_elements(shape.as_list(), ranks)
+    start, stop = shard_plan.owned_range(elements, ranks, rank, plan_row)
+    length = shard_plan.slice_length(elements, ranks, plan_row)
+    if plan_row > 1:
+        ids = tf.cast(slices.indices, tf.int64)
+        mine = tf.where((ids >= start // row) & (ids < stop // row))[:, 0]
+        return tf.IndexedSlices(tf.gather(slices.values, mine), tf.gather(ids, mine) - start // row,
+                                dense_shape=tf.constant([length // row, *shape.as_list()[1:]], tf.int64))
     first = tf.cast(slices.indices, tf.int64) * row
     rows = tf.where((first < stop) & (first + row > start))[:, 0]  # the rows touching this slice
     flat = tf.reshape(tf.gather(first, rows)[:, None] + tf.range(row, dtype=tf.int64)[None, :], [-1])
     values = tf.reshape(tf.gather(slices.values, rows), [-1])
     keep = (flat >= start) & (flat < stop)
-    length = shard_plan.slice_length(elements, ranks)
     return tf.IndexedSlices(tf.boolean_mask(values, keep), tf.boolean_mask(flat, keep) - start,
                             dense_shape=tf.constant([length], tf.int64))
 

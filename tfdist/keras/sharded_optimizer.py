@@ -11,7 +11,8 @@ TensorFlow optimizer (`TFOptimizer`) route an optimizer built under that strateg
 - `_var_key`: a working copy (this rank's slice of a variable, which `update_step` updates)
   finds its variable's slots;
 - `_clip_gradients`: deferred to after the reduce-scatter, with norms over every slice;
-- `_backend_update_step`: reduce-scatter, clip, update the slices, allgather (the step);
+- `_backend_update_step`: reduce-scatter, clip, update the slices, allgather (the step; a
+  table under plain SGD or Adagrad gathers only its changed rows, `tfdist.exchange.changed_rows`);
 - `save_own_variables` / `load_own_variables` and `keras.Variable`'s checkpoint methods: the
   whole state is written, and each rank loads its slice (`tfdist.keras.sharded_saves`).
 
@@ -32,7 +33,7 @@ import tensorflow as tf
 
 from tfdist import _compat, collectives
 from tfdist.errors import ShardedStateError
-from tfdist.exchange import sharded
+from tfdist.exchange import changed_rows, sharded
 from tfdist.keras import recognise, sharded_saves
 from tfdist.keras.flavour import legacy_requested
 
@@ -153,7 +154,7 @@ def _wrap_add_slot(original):
         state = sharded.state_of(self)
         variable_slice = state.slice_of(self._var_key(reference_variable), reference_variable)
         path = getattr(reference_variable, "path", None) or str(reference_variable.name).replace(":", "_")
-        slot = self.add_variable(shape=(variable_slice.length,), initializer=initializer,
+        slot = self.add_variable(shape=tuple(variable_slice.slice_shape), initializer=initializer,
                                  dtype=reference_variable.dtype, name=f"{path.replace('/', '_')}_{name or 'var'}")
         state.add_slot(slot, variable_slice)
         return slot
@@ -202,20 +203,34 @@ def sharded_update_step(optimizer, state, grads, variables, mode, update_one):
     elif mode == "whole":
         grads = [sharded.owned_entries(g, s.shape, s.ranks, s.rank) if isinstance(g, tf.IndexedSlices) else s.take(g)
                  for s, g in zip(slices, grads)]
+    row_local = changed_rows.row_local(optimizer)
+    by_rows = [row_local and isinstance(g, tf.IndexedSlices) and changed_rows.supported(s) for g, s in zip(grads, slices)]
     grads = sharded.clip(grads, optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue)
     copies = [state.working_copy(k) for k in keys]
-    for copy, variable_slice in zip(copies, slices):
-        copy.assign(variable_slice.take(variable_slice.variable))  # set_weights, weight decay, restores
+    before = [s.take(s.variable) for s in slices]  # set_weights, weight decay, restores
+    for copy, value in zip(copies, before):
+        copy.assign(value)
     reads_norms = getattr(type(optimizer), "tfdist_whole_norms", False)
     with sharded.whole_norms_known(copies, grads) if reads_norms else contextlib.nullcontext():
         _compat.merge_call(_update_copies, strategy, grads, copies, update_one)
-    gathered = strategy.extended.allgather_slices(copies)
-    _compat.merge_call(_assign_whole, strategy, variables, [s.whole(g) for s, g in zip(slices, gathered)])
+    rows_at = [i for i, rows in enumerate(by_rows) if rows]  # tables under plain SGD, Adagrad: changed rows travel
+    sent = [changed_rows.changed(before[i], copies[i], slices[i]) for i in rows_at]
+    received = changed_rows.gathered(sent) if sent else []
+    whole_at = [i for i, rows in enumerate(by_rows) if not rows]
+    gathered = strategy.extended.allgather_slices([copies[i] for i in whole_at])
+    _compat.merge_call(_assign_whole, strategy, [variables[i] for i in whole_at],
+                       [slices[i].whole(g) for i, g in zip(whole_at, gathered)])
+    _compat.merge_call(_write_rows, strategy, [variables[i] for i in rows_at], [slices[i] for i in rows_at], received)
 
 
 def _update_copies(distribution, grads, copies, update_one):
     for grad, copy in zip(grads, copies):
         distribution.extended.update(copy, lambda c, g: update_one(g, c), args=(grad,), group=False)
+
+
+def _write_rows(distribution, variables, variable_slices, received):
+    for variable, variable_slice, rows in zip(variables, variable_slices, received):
+        distribution.extended.update(variable, changed_rows.write, args=(rows, variable_slice), group=False)
 
 
 def _assign_whole(distribution, variables, values):

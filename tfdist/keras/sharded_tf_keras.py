@@ -82,7 +82,7 @@ def _wrap_add_slot(original):
         variable_slice = state.slice_of(self._var_key(model_variable), model_variable)
         if initial_value is not None:
             initial_value = variable_slice.take(initial_value)
-        slot = original(self, model_variable, variable_name, shape=[variable_slice.length], initial_value=initial_value)
+        slot = original(self, model_variable, variable_name, shape=variable_slice.slice_shape, initial_value=initial_value)
         state.add_slot(slot, variable_slice)
         return slot
     return add_variable_from_reference
