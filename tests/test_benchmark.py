@@ -440,3 +440,18 @@ def test_collective_latency_reports_horovods_cycle_idle_cost_and_eager_allreduce
     assert facts["starts_on_enqueue"] is True and facts["eager"] is True and facts["cycle_ms"] == "10"
     assert facts["idle_core_percent"] >= 0 and [r["bytes"] for r in facts["results"]] == [40]
     assert "started on enqueue: True (Horovod's word), eager" in out.stdout
+
+
+def test_changed_rows_benchmark_ends_with_equal_tables_both_ways(tmp_path):
+    """scripts/benchmarks/changed_rows.py on 3 ranks and a table of 40 rows of 5 (cut flat: rows
+    split between ranks): both ways leave every rank the same table, for every fraction."""
+    out = tmp_path / "changed_rows"
+    script("benchmarks/changed_rows.py", ["--ranks", "3", "--rows", "40", "--width", "5", "--fractions", "1", "0.3",
+                                          "--steps", "2", "--repeats", "1", "--out", out])
+    ranks = json.loads(out.with_suffix(".json").read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    for r in ranks:
+        assert [x["fraction"] for x in r["results"]] == [1.0, 0.3]
+        assert all(x["tables_equal"] for x in r["results"]), r
+        assert r["results"][0]["rows_changed_on_this_rank"] > r["results"][1]["rows_changed_on_this_rank"] > 0
+    assert "| 30% |" in out.with_suffix(".md").read_text()
