@@ -43,6 +43,24 @@ def test_fit_evaluate_predict_in_one_process(strategy):
     assert model.predict(x, verbose=0).shape == (64, 1)
 
 
+def test_a_gather_of_a_variable_made_in_scope_reads_only_its_rows(strategy):
+    """tf.gather on a variable made under the strategy (a MirroredVariable, as MWMS makes) is a
+    ResourceGather of the rank's own component, as on a plain variable: tf-keras' sparse
+    optimizers gather their slots' rows through it, and a whole read there copies the variable
+    once a sparse update has touched it."""
+    with strategy.scope():
+        table = tf.Variable(tf.reshape(tf.range(12.0), [4, 3]))
+    assert type(table).__name__ == "RankMirroredVariable"
+    rows = tf.function(lambda ids: tf.gather(table, ids))
+    np.testing.assert_array_equal(rows(tf.constant([2, 0])), [[6, 7, 8], [0, 1, 2]])
+    ops = {op.type for op in rows.get_concrete_function(tf.constant([2, 0])).graph.get_operations()}
+    assert "ResourceGather" in ops and "ReadVariableOp" not in ops, sorted(ops)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.gather(table, [1, 1, 3]))
+    gradient = tape.gradient(loss, table)
+    assert isinstance(gradient, tf.IndexedSlices) and gradient.indices.numpy().tolist() == [1, 1, 3]
+
+
 def test_allreduce_groups_by_dtype_and_keeps_integer_dtype(strategy):
     out = collectives.allreduce(
         [tf.constant([1.5, 2.5]), tf.constant([7], tf.int64), tf.constant([3.0])], op="average"
