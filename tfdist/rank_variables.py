@@ -116,10 +116,10 @@ def _define_mirrored_class():
             return bool(self.read_value())
 
         def sparse_read(self, indices, name=None):
-            # tf.gather and embedding lookups read a variable's rows through this: the rank's own
-            # component gathers them (ResourceGather). Without it a MirroredVariable is read
-            # whole first, and once a sparse update has touched a variable TensorFlow copies it
-            # whole on every such read (tf-keras' sparse optimizers and Keras 3's tables).
+            # tf.gather reads a variable's rows through this (tf-keras' sparse optimizers gather
+            # their slots' rows so): the rank's own component gathers them (ResourceGather).
+            # Without it a MirroredVariable is read whole first, and once a sparse update has
+            # touched a variable TensorFlow copies it whole on every such read.
             return self._get_on_device_or_primary().sparse_read(indices, name=name)
 
         def _gather_saveables_for_checkpoint(self):

@@ -3,9 +3,10 @@
     .venv/bin/python scripts/benchmarks/changed_rows.py --ranks 2 --rows 200000 --width 64 \\
         --fractions 1 0.5 0.1 0.01 --out changed_rows
 
-Under `shard_optimizer_state=True` a variable with a sparse gradient (an embedding table) sends
-the rows of its slice that changed in the update (`tfdist.exchange.changed_rows`); other
-variables all-gather their whole slices. This times both on one table, with a given fraction of
+Under `shard_optimizer_state=True` and an optimizer that changes only its gradient's rows (plain
+SGD, Adagrad), a variable with a sparse gradient (an embedding table) sends the rows of its slice
+that changed in the update (`tfdist.exchange.changed_rows`); other variables, and every variable
+under momentum or Adam, all-gather their whole slices. This times both on one table, with a given fraction of
 its rows changed in every step (plain SGD and Adagrad change the rows looked up; momentum and
 Adam, over a long run, nearly all): per step, each rank adds to that fraction of its slice's rows
 and the table is made whole again on every rank, either way. The two ways alternate in blocks of

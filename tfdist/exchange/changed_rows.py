@@ -41,7 +41,7 @@ def row_local(optimizer):
     name, module = type(optimizer).__name__, type(optimizer).__module__
     if not module.startswith(KERAS_MODULES):
         return False
-    return name == "Adagrad" or name == "SGD" and not getattr(optimizer, "momentum", 0)
+    return name == "Adagrad" or (name == "SGD" and not getattr(optimizer, "momentum", 0))
 
 
 def supported(variable_slice):
@@ -56,7 +56,7 @@ def row_width(shape):
 
 def changed(before, after, variable_slice):
     """The rows holding an element of this rank's slice whose bits differ between `before` and
-    `after` (flat slices): a `tf.IndexedSlices` of [rows, row width] values (this rank's elements,
+    `after` (its values before and after the update, in the slice's shape): a `tf.IndexedSlices` of [rows, row width] values (this rank's elements,
     zeros where another rank's) indexed by row * ranks + rank."""
     s = variable_slice
     width = row_width(s.shape)
