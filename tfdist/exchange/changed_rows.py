@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tfdist import collectives
 from tfdist.exchange import sparse_rows
+from tfdist.exchange.sharded import row_width
 
 _BITS = {tf.float16: tf.int16, tf.bfloat16: tf.int16, tf.float32: tf.int32, tf.float64: tf.int64}
 KERAS_MODULES = ("keras.src.optimizers.", "tf_keras.src.optimizers.")
@@ -47,11 +48,6 @@ def row_local(optimizer):
 def supported(variable_slice):
     """Whether `variable_slice`'s variable can travel as changed rows (a float dtype)."""
     return variable_slice.dtype in _BITS and variable_slice.shape.rank >= 1
-
-
-def row_width(shape):
-    """The elements of one row (the first dimension's step) of a variable of `shape`."""
-    return shape[1:].num_elements() if shape.rank > 1 else 1
 
 
 def changed(before, after, variable_slice):

@@ -184,12 +184,17 @@ def reduce_scatter(grads, variables, bucket_bytes=None, compression=None):
     return out
 
 
+def row_width(shape):
+    """The elements of one row (the first dimension's step) of a variable of `shape`."""
+    return shape[1:].num_elements() if shape.rank > 1 else 1
+
+
 def owned_entries(slices, shape, ranks, rank):
     """The entries of `slices` (row-sparse, of a variable of `shape`) that fall in `rank`'s
     slice, as a `tf.IndexedSlices` over the slice (duplicate rows kept apart): its rows where the
     plan cuts between rows, else each entry at its flat position."""
     shape = tf.TensorShape(shape)
-    row = shape[1:].num_elements() if shape.rank > 1 else 1
+    row = row_width(shape)
     elements = shape.num_elements()
     plan_row = shard_plan.row_elements(shape.as_list(), ranks)
     start, stop = shard_plan.owned_range(elements, ranks, rank, plan_row)
